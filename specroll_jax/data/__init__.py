@@ -1,0 +1,1 @@
+"""Datasets shipped with the package (GSM8K, MIT licence: see ``gsm8k/LICENSE``)."""

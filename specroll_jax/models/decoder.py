@@ -1,0 +1,248 @@
+"""Qwen2 / Qwen2.5 / Llama-3 decoder in Flax (linen), with pure functions at the boundary.
+
+One code path, three uses (all through :func:`step`):
+  (a) full causal forward (``forward``): no cache, causal mask over the tokens;
+  (b) prefill of ragged, right-padded prompts into a preallocated :class:`KVCache` (``prefill``);
+  (c) a multi-token step at explicit positions with an explicit mask over [cache + new tokens]
+      (tree verification: each new token sees the valid cache prefix and its tree ancestors only).
+
+Every step returns logits (f32), the last layer's hidden states *before* the final norm (what the
+future-token heads read) and the step's own K/V per layer; writing them into the cache is a separate,
+explicit scatter (:func:`write_cache`), so a verify step can commit only its accepted nodes.
+
+Parameters are the ``params`` collection of :class:`Decoder` (layers stacked on a leading axis by
+``nn.scan``); dense kernels are stored [in, out].
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from specroll_jax.models.config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+  k: Float[Array, "Ly B L Hkv Dh"]  # keys of committed tokens (row b valid up to lengths[b])
+  v: Float[Array, "Ly B L Hkv Dh"]
+  lengths: Int[Array, "B"]  # number of committed tokens per row
+
+  @property
+  def max_length(self) -> int:
+    return self.k.shape[2]
+
+
+@flax.struct.dataclass
+class StepOutput:
+  logits: Float[Array, "B T V"]  # float32
+  hidden: Float[Array, "B T D"]  # last layer output before the final norm
+  k_new: Float[Array, "Ly B T Hkv Dh"]
+  v_new: Float[Array, "Ly B T Hkv Dh"]
+
+
+def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
+  shape = (config.num_layers, batch, max_length, config.num_kv_heads, config.head_dim)
+  dtype = dtype or config.jnp_dtype
+  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                 lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def rms_norm(x, scale, eps: float):
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _inv_freq(config: ModelConfig):
+  dh = config.head_dim
+  inv = 1.0 / (config.rope_theta ** (jnp.arange(0, dh, 2, dtype=jnp.float32) / dh))
+  if config.rope_scaling:
+    # Llama-3 frequency-dependent rope scaling (transformers' _compute_llama3_parameters).
+    rs = dict(config.rope_scaling)
+    factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+    old = rs["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    inv_l = jnp.where(wavelen > old / lo, inv / factor, inv)
+    smooth = (old / wavelen - lo) / (hi - lo)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    medium = (wavelen >= old / hi) & (wavelen <= old / lo)
+    inv = jnp.where(medium, smoothed, inv_l)
+  return inv
+
+
+def rope(x, positions, config: ModelConfig):
+  """Rotary embedding (rotate-half convention of transformers). x [B, T, H, Dh], positions [B, T]."""
+  freqs = positions.astype(jnp.float32)[..., None] * _inv_freq(config)  # [B, T, Dh/2]
+  emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(emb), jnp.sin(emb)
+  xf = x.astype(jnp.float32)
+  half = x.shape[-1] // 2
+  rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
+  return (xf * cos + rot * sin).astype(x.dtype)
+
+
+class RMSNorm(nn.Module):
+  eps: float
+  dtype: jnp.dtype
+
+  @nn.compact
+  def __call__(self, x):
+    scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+    return rms_norm(x, scale, self.eps)
+
+
+class Block(nn.Module):
+  """One decoder layer. Carry: hidden [B, T, D]; scanned input: this layer's (k_cache, v_cache)."""
+
+  config: ModelConfig
+  attention_fn: callable
+
+  @nn.compact
+  def __call__(self, x, layer_cache, positions, cache_lengths, mask):
+    c = self.config
+    dt = c.jnp_dtype
+    dense = functools.partial(nn.Dense, dtype=dt, param_dtype=dt,
+                              kernel_init=nn.initializers.normal(0.02))
+    b, t, _ = x.shape
+    h = RMSNorm(c.rms_norm_eps, dt, name="attn_norm")(x)
+    q = dense(c.num_heads * c.head_dim, use_bias=c.qkv_bias, name="q_proj")(h)
+    k = dense(c.num_kv_heads * c.head_dim, use_bias=c.qkv_bias, name="k_proj")(h)
+    v = dense(c.num_kv_heads * c.head_dim, use_bias=c.qkv_bias, name="v_proj")(h)
+    q = rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, c)
+    k = rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c)
+    v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
+    k_cache, v_cache = layer_cache
+    attn = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, mask)
+    x = x + dense(c.hidden_size, use_bias=False, name="o_proj")(attn.reshape(b, t, -1))
+    h = RMSNorm(c.rms_norm_eps, dt, name="mlp_norm")(x)
+    gate = dense(c.intermediate_size, use_bias=False, name="gate_proj")(h)
+    up = dense(c.intermediate_size, use_bias=False, name="up_proj")(h)
+    x = x + dense(c.hidden_size, use_bias=False, name="down_proj")(nn.silu(gate) * up)
+    return x, (k, v)
+
+
+class Decoder(nn.Module):
+  config: ModelConfig
+  attention_fn: callable
+
+  @nn.compact
+  def __call__(self, tokens, positions, cache_k, cache_v, cache_lengths, mask):
+    c = self.config
+    dt = c.jnp_dtype
+    embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=dt,
+                     embedding_init=nn.initializers.normal(0.02), name="embed")
+    x = embed(tokens)
+    layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                     in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
+    x, (k_new, v_new) = layers(c, self.attention_fn, name="layers")(
+        x, (cache_k, cache_v), positions, cache_lengths, mask)
+    hidden = x
+    normed = RMSNorm(c.rms_norm_eps, dt, name="final_norm")(x)
+    if c.tie_word_embeddings:
+      logits = embed.attend(normed)
+    else:
+      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=dt,
+                        kernel_init=nn.initializers.normal(0.02), name="lm_head")(normed)
+    return logits.astype(jnp.float32), hidden, k_new, v_new
+
+
+def _attention(impl: str):
+  from specroll_jax.models import attention
+  return attention.get(impl)
+
+
+def init_params(key, config: ModelConfig):
+  """Random parameters (normal(0.02) dense/embeddings, unit norms, zero biases)."""
+  tokens = jnp.zeros((1, 2), jnp.int32)
+  empty = jnp.zeros((config.num_layers, 1, 0, config.num_kv_heads, config.head_dim),
+                    config.jnp_dtype)
+  variables = Decoder(config, _attention("reference")).init(
+      key, tokens, jnp.zeros((1, 2), jnp.int32), empty, empty, jnp.zeros((1,), jnp.int32),
+      jnp.ones((1, 2, 2), bool))
+  return variables["params"]
+
+
+def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
+         cache: KVCache | None = None, mask: Bool[Array, "B T T"] | None = None, *,
+         attn_impl: str = "auto") -> StepOutput:
+  """Run the decoder on ``tokens`` at absolute ``positions`` over the valid prefix of ``cache``.
+
+  mask: which new tokens each new token may attend (default causal). The cache is not modified.
+  """
+  b, t = tokens.shape
+  if mask is None:
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  if cache is None:
+    ck = jnp.zeros((config.num_layers, b, 0, config.num_kv_heads, config.head_dim),
+                   config.jnp_dtype)
+    cache = KVCache(k=ck, v=ck, lengths=jnp.zeros((b,), jnp.int32))
+  logits, hidden, k_new, v_new = Decoder(config, _attention(attn_impl)).apply(
+      {"params": params}, tokens, positions, cache.k, cache.v, cache.lengths, mask)
+  return StepOutput(logits=logits, hidden=hidden, k_new=k_new, v_new=v_new)
+
+
+def forward(config: ModelConfig, params, tokens: Int[Array, "B T"], *,
+            attn_impl: str = "auto") -> Float[Array, "B T V"]:
+  """Plain full causal forward: logits [B, T, V] (float32)."""
+  b, t = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  return step(config, params, tokens, positions, attn_impl=attn_impl).logits
+
+
+def write_cache(cache: KVCache, k_new, v_new, slots: Int[Array, "B T"]) -> KVCache:
+  """Scatter the step's K/V [Ly, B, T, Hkv, Dh] into cache positions ``slots`` [B, T].
+
+  A slot < 0 or >= the cache length is dropped (used for rejected tree nodes and padding).
+  Lengths are not changed; the caller sets them.
+  """
+  ly, b, t = k_new.shape[:3]
+  slots = jnp.where(slots < 0, cache.max_length, slots)  # out of range -> dropped
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  k = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
+  v = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+  return cache.replace(k=k, v=v)
+
+
+def prefill(config: ModelConfig, params, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
+            cache: KVCache, *, attn_impl: str = "auto"):
+  """Prefill right-padded prompts (row b valid up to lengths[b] >= 1) into an empty cache.
+
+  Returns (cache with lengths set, logits at each row's last prompt token [B, V],
+  hidden there [B, D]).
+  """
+  b, t = tokens.shape
+  pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  valid = pos < lengths[:, None]
+  mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
+  out = step(config, params, tokens, pos, None, mask, attn_impl=attn_impl)
+  cache = write_cache(cache, out.k_new, out.v_new, jnp.where(valid, pos, -1))
+  cache = cache.replace(lengths=lengths.astype(jnp.int32))
+  last = (lengths - 1)[:, None, None]
+  logits = jnp.take_along_axis(out.logits, last, axis=1)[:, 0]
+  hidden = jnp.take_along_axis(out.hidden, last, axis=1)[:, 0]
+  return cache, logits, hidden
+
+
+def unembedding(config: ModelConfig, params) -> Float[Array, "D V"]:
+  """The [D, V] unembedding matrix (the embedding's transpose when tied)."""
+  if config.tie_word_embeddings:
+    return params["embed"]["embedding"].T
+  return params["lm_head"]["kernel"]
+
+
+def final_norm(config: ModelConfig, params, hidden):
+  return rms_norm(hidden, params["final_norm"]["scale"], config.rms_norm_eps)
+
+
+def logits_from_hidden(config: ModelConfig, params, hidden) -> Float[Array, "... V"]:
+  """Final norm + unembedding of pre-norm hidden states (what the heads and the sampler use)."""
+  normed = final_norm(config, params, hidden)
+  return jnp.einsum("...d,dv->...v", normed, unembedding(config, params).astype(normed.dtype)
+                    ).astype(jnp.float32)

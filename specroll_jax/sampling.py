@@ -1,0 +1,155 @@
+"""Counter-based sampling noise, Gumbel-max sampling and logprobs.
+
+The central invariant (DESIGN.md): the token at absolute position ``t`` of response ``sample_id`` is
+
+    x_t = argmax_v ( logits_{t-1}[v] / T + Gumbel(u(seed, sample_id, t, v)) )   over allowed v
+
+where ``u`` is a pure function of its four integer arguments, computed by a uint32 integer hash that a
+Pallas kernel reproduces bit for bit (see ``pallas_kernels/fused_sampler.py``). No ``jax.random`` array
+of shape [B, V] is ever drawn, so the noise a token sees does not depend on the batch it sits in, on the
+tree that proposed it, or on the engine that verified it.
+
+Hash: the "lowbias32" integer finaliser (C. Wellons, hash-prospector) chained over the four words.
+Uniform: the top 24 bits, centred, so u lies strictly inside (0, 1) and the Gumbel is finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+_SEED_SALT = 0x9E3779B9
+_NEG = -1e30  # masked logit: large negative finite value (stays NaN-free in kernels)
+
+
+def mix32(x):
+  """lowbias32 finaliser on uint32 arrays (wrapping multiplies). Works in jnp and inside Pallas."""
+  x = x ^ (x >> 16)
+  x = x * jnp.uint32(0x7FEB352D)
+  x = x ^ (x >> 15)
+  x = x * jnp.uint32(0x846CA68B)
+  x = x ^ (x >> 16)
+  return x
+
+
+def row_key(seed, sample_id, position):
+  """uint32 key of one (seed, sample id, absolute position); broadcasts. Token ids are mixed in later."""
+  u32 = lambda a: jnp.asarray(a).astype(jnp.uint32)
+  h = mix32(u32(seed) ^ jnp.uint32(_SEED_SALT))
+  h = mix32(h ^ u32(sample_id))
+  h = mix32(h + jnp.uint32(0x632BE5AB) ^ u32(position))
+  return h
+
+
+def token_bits(key, token_ids):
+  """uint32 noise bits for ``token_ids`` under row key ``key`` (broadcasts)."""
+  return mix32(key ^ (token_ids.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)))
+
+
+def uniform_from_bits(bits):
+  """Top 24 bits -> float32 in (0, 1), exactly representable, never 0 or 1."""
+  return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(1.0 / (1 << 24))
+
+
+def gumbel_from_bits(bits):
+  return -jnp.log(-jnp.log(uniform_from_bits(bits)))
+
+
+def gumbel_noise(seed, sample_id, position, vocab_size: int) -> Float[Array, "*R V"]:
+  """Gumbel noise for every token id of the vocab: [..., V] for broadcast (seed, sample_id, position)."""
+  key = row_key(seed, sample_id, position)[..., None]
+  return gumbel_from_bits(token_bits(key, jnp.arange(vocab_size, dtype=jnp.uint32)))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  """How the target samples. Frozen and hashable (a static jit argument).
+
+  temperature: 0 is greedy argmax; > 0 samples softmax(logits / temperature).
+  top_k: 0 means no top-k restriction; else keep the k largest logits.
+  top_p: nucleus mass in (0, 1]; 1.0 means no restriction. Applied after top-k, as transformers does.
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+
+  def __post_init__(self):
+    t = self.temperature
+    if not isinstance(t, (int, float)) or t != t or t < 0 or t == float("inf"):
+      raise ValueError(f"SamplingConfig.temperature must be a finite number >= 0, got {t!r}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
+    p = self.top_p
+    if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
+      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {p!r}")
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  @property
+  def plain(self) -> bool:
+    """True when no top-k / top-p restriction applies (what the fused Pallas sampler supports)."""
+    return self.top_k == 0 and self.top_p >= 1.0
+
+
+def allowed_logits(logits: Float[Array, "*R V"], cfg: SamplingConfig) -> Float[Array, "*R V"]:
+  """Tempered logits (f32) with disallowed tokens set to a large negative value.
+
+  Greedy (T = 0) uses the untempered logits: the policy distribution it reports logprobs under is
+  softmax(logits), and argmax is the same either way.
+  """
+  x = logits.astype(jnp.float32)
+  if not cfg.greedy:
+    x = x / jnp.float32(cfg.temperature)
+  if cfg.greedy or cfg.plain:
+    return x
+  vocab = x.shape[-1]
+  if cfg.top_k and cfg.top_k < vocab:
+    kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+    x = jnp.where(x >= kth, x, _NEG)
+  if cfg.top_p < 1.0:
+    srt = -jnp.sort(-x, axis=-1)  # descending
+    p = jax.nn.softmax(srt, axis=-1)
+    before = jnp.cumsum(p, axis=-1) - p  # mass strictly above each sorted entry
+    keep = before < jnp.float32(cfg.top_p)  # smallest prefix with mass >= top_p (first always kept)
+    thresh = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
+    x = jnp.where(x >= thresh, x, _NEG)
+  return x
+
+
+def sample(
+    logits: Float[Array, "*R V"],
+    seed,
+    sample_ids: Int[Array, "*R"],
+    positions: Int[Array, "*R"],
+    cfg: SamplingConfig,
+):
+  """Sample the token for absolute position ``positions`` from ``logits`` (the previous position's).
+
+  Returns (tokens int32 [*R], logprobs f32 [*R], nonfinite bool [*R]). The logprob is that of the chosen
+  token under the sampling distribution (tempered, restricted, renormalised; greedy: softmax(logits)).
+  ``nonfinite`` flags rows whose logits hold NaN or inf; their token is meaningless and callers must not
+  commit it.
+  """
+  x = allowed_logits(logits, cfg)
+  nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1)
+  if cfg.greedy:
+    tok = jnp.argmax(x, axis=-1)
+  else:
+    g = gumbel_noise(seed, sample_ids, positions, x.shape[-1])
+    tok = jnp.argmax(x + g, axis=-1)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  lp = jnp.take_along_axis(x, tok[..., None], axis=-1)[..., 0] - lse
+  return tok.astype(jnp.int32), lp, nonfinite
+
+
+def token_logprobs(logits: Float[Array, "*R V"], tokens: Int[Array, "*R"], cfg: SamplingConfig):
+  """Logprob of given tokens under the sampling distribution (teacher forcing; same rule as ``sample``)."""
+  x = allowed_logits(logits, cfg)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  return jnp.take_along_axis(x, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
