@@ -120,7 +120,13 @@ class ModelConfig:
     hidden = d["hidden_size"]
     eos = d.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    qkv_bias = arch == "qwen2" or bool(d.get("attention_bias", False))
+    if arch == "llama" and (d.get("attention_bias") or d.get("mlp_bias")):
+      # transformers' Llama puts attention_bias on o_proj too (and mlp_bias on gate/up/down); our
+      # decoder has no such biases, so loading would silently drop them.
+      raise ValueError(
+          f"{source}: unsupported Llama biases attention_bias={d.get('attention_bias')!r}, "
+          f"mlp_bias={d.get('mlp_bias')!r}; expected both false")
+    qkv_bias = arch == "qwen2"
     return cls(
         vocab_size=d["vocab_size"], hidden_size=hidden, intermediate_size=d["intermediate_size"],
         num_layers=d["num_hidden_layers"], num_heads=heads,
@@ -135,9 +141,17 @@ class ModelConfig:
   def to_hf_dict(self) -> dict[str, Any]:
     """The transformers-5 style ``config.json`` of this model."""
     arch = {v: k for k, v in ARCHITECTURES.items()}[self.architecture]
+    if self.qkv_bias != (self.architecture == "qwen2"):
+      # transformers' Qwen2 always has q/k/v biases; its Llama has none (attention_bias=True
+      # would also add an o_proj bias, which this decoder lacks).
+      raise ValueError(
+          f"ModelConfig: architecture {self.architecture!r} with qkv_bias={self.qkv_bias} has no "
+          f"transformers equivalent (expected qkv_bias={self.architecture == 'qwen2'})")
     rope: dict[str, Any] = {"rope_theta": self.rope_theta, "rope_type": "default"}
     if self.rope_scaling:
       rope.update(dict(self.rope_scaling))
+      rope["rope_type"] = "llama3"
+      rope["original_max_position_embeddings"] = int(rope["original_max_position_embeddings"])
     d = {
         "architectures": [arch], "model_type": self.architecture, "vocab_size": self.vocab_size,
         "hidden_size": self.hidden_size, "intermediate_size": self.intermediate_size,
@@ -151,6 +165,6 @@ class ModelConfig:
                          else self.eos_token_ids[0]) if self.eos_token_ids else None,
     }
     if self.architecture == "llama":
-      d["attention_bias"] = self.qkv_bias
+      d["attention_bias"] = False
       d["mlp_bias"] = False
     return d

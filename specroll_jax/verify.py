@@ -1,0 +1,50 @@
+"""Exact target verification of a speculation tree (DESIGN.md, "One speculative step", steps 3-5).
+
+One target forward on [root + nodes] at positions L + depth with the ancestor mask; the target's own
+sample at every node (counter-based noise at that node's next position, so it is the token vanilla
+decoding would sample there); acceptance of the deepest node whose whole path matches. The committed
+tokens of a step are the target's samples along the accepted path: token j = sample at path node j,
+j = 0..D (its first D equal the accepted nodes' tokens; the last is the next root).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from specroll_jax import sampling as _sampling
+from specroll_jax.models import decoder as _dec
+from specroll_jax.tree import Tree, accept
+
+
+@flax.struct.dataclass
+class VerifyResult:
+  tokens: Int[Array, "R D1"]  # committed tokens, valid for j < path_len
+  logprobs: Float[Array, "R D1"]  # their logprobs under the sampling distribution
+  nonfinite: Bool[Array, "R D1"]  # the logits that sampled token j held NaN/inf
+  path: Int[Array, "R D1"]  # node index of the accepted path at each depth
+  path_len: Int[Array, "R"]  # D + 1
+  hidden: Float[Array, "R D1 Dm"]  # pre-norm hidden at each path node (anchor of token j)
+  k_path: Float[Array, "Ly R D1 Hkv Dh"]  # K/V of the path nodes, to commit at L + j
+  v_path: Float[Array, "Ly R D1 Hkv Dh"]
+  target_tokens: Int[Array, "R N1"]  # the target's sample at every node (for adaptation)
+  accepted: Bool[Array, "R N1"]
+
+
+def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: Int[Array, "R"],
+           sampling: _sampling.SamplingConfig, *, max_depth: int,
+           attn_impl: str = "reference") -> VerifyResult:
+  """Run the verify forward for ``tree`` over ``cache`` (not modified) and accept exactly."""
+  positions = cache.lengths[:, None] + tree.depth
+  out = _dec.step(config, params, tree.tokens, positions, cache, tree.mask, attn_impl=attn_impl)
+  tgt, lp, nf = _sampling.sample(out.logits, seed, sample_ids[:, None], positions + 1, sampling)
+  acc, path, path_len = accept(tree, tgt, max_depth)
+  take = lambda x: jnp.take_along_axis(x, path, axis=1)
+  hidden = jnp.take_along_axis(out.hidden, path[:, :, None], axis=1)
+  kv_idx = path[None, :, :, None, None]
+  return VerifyResult(tokens=take(tgt), logprobs=take(lp), nonfinite=take(nf), path=path,
+                      path_len=path_len, hidden=hidden,
+                      k_path=jnp.take_along_axis(out.k_new, kv_idx, axis=2),
+                      v_path=jnp.take_along_axis(out.v_new, kv_idx, axis=2),
+                      target_tokens=tgt, accepted=acc)
