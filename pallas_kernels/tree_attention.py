@@ -1,4 +1,4 @@
-"""Tree-verify attention: queries = one step's tokens, keys = valid KV cache prefix + the step's K/V.
+"""Tree-verify attention: queries = one step's tokens; keys = valid KV cache prefix + step's K/V.
 
 Shapes (dimension legend in ``specroll_jax/__init__.py``):
   q        [B, T, H, Dh]    the step's queries (T = N + 1 tree nodes, or any chunk of new tokens)
@@ -66,23 +66,23 @@ tree_attention_reference_jit = jax.jit(tree_attention_reference, static_argnames
 # --------------------------------------------------------------------------------------------------
 #
 # Layout. Kv head k and its g = H // Hkv query heads form one tile of M = T * g query rows (row
-# r = t * g + j is query token t, head k * g + j), so every cache byte is read once per (row, kv head).
+# r = t * g + j is query token t, head k * g + j): each cache byte is read once per (row, kv head).
 #
 # Triton (GPU): grid (B, Hkv, S). Program (b, k, s) loops (fori_loop, dynamic trip count) over the
 #   cache blocks of split s that lie below cache_lengths[b]; blocks past the length are never read.
-#   The cache is read in place from its [B, L, Hkv, Dh] layout (strided block), no copy. When L is not
-#   a multiple of block_l the last block is shifted back to end at L and its already-seen rows are
-#   masked, so no read goes out of bounds. Split 0 also folds in the T new keys under the tree mask.
-# Mosaic (TPU): grid (B, S, blocks per split) with the last axis a sequential reduction; the cache is
-#   viewed as [B, L, Hkv * Dh] (free reshape) so a [block_l, Hkv * Dh] block obeys the (8, 128) rule
-#   and is one contiguous DMA; all kv heads are handled per program. cache_lengths is scalar-prefetched
-#   and clamps the block index, so blocks past the length repeat the previous index (no DMA) and their
-#   compute is skipped.
-# S > 1 (split over L, for small B * Hkv): each split writes its unnormalised (acc, m, den) in f32 and a
-#   jnp step combines them (flash-decoding).
+#   The cache is read in place from its [B, L, Hkv, Dh] layout (strided block), no copy. When L is
+#   not a multiple of block_l the last block is shifted back to end at L and its already-seen rows
+#   are masked, so no read goes out of bounds. Split 0 also folds in the T new keys (tree mask).
+# Mosaic (TPU): grid (B, S, blocks per split), the last axis a sequential reduction; the cache is
+#   viewed as [B, L, Hkv * Dh] (free reshape) so a [block_l, Hkv * Dh] block obeys the (8, 128)
+#   rule and is one contiguous DMA; all kv heads are handled per program. cache_lengths is
+#   scalar-prefetched and clamps the block index, so blocks past the length repeat the previous
+#   index (no DMA) and their compute is skipped.
+# S > 1 (split over L, for small B * Hkv): each split writes its unnormalised (acc, m, den) in f32
+#   and a jnp step combines them (flash-decoding).
 #
-# Masked scores are -1e30 (finite) and masked probabilities are forced to 0, so a row with no allowed
-# key ends with den = 0 and acc = 0 and returns zeros, never NaN.
+# Masked scores are -1e30 (finite) and masked probabilities are forced to 0, so a row with no
+# allowed key ends with den = 0 and acc = 0 and returns zeros, never NaN.
 
 BACKENDS = ("auto", "triton", "tpu")
 # Head widths the compiled backends support (power-of-two tiles for Triton; lane-dense for Mosaic).
@@ -113,8 +113,9 @@ class BlockSizes:
   def __post_init__(self):
     if not isinstance(self.block_l, int) or self.block_l < 8:
       raise ValueError(f"BlockSizes.block_l must be an int >= 8, got {self.block_l!r}")
-    if self.num_splits is not None and (not isinstance(self.num_splits, int) or self.num_splits < 1):
-      raise ValueError(f"BlockSizes.num_splits must be None or an int >= 1, got {self.num_splits!r}")
+    n = self.num_splits
+    if n is not None and (not isinstance(n, int) or n < 1):
+      raise ValueError(f"BlockSizes.num_splits must be None or an int >= 1, got {n!r}")
     w = self.num_warps
     if w is not None and (not isinstance(w, int) or w not in (1, 2, 4, 8, 16)):
       raise ValueError(f"BlockSizes.num_warps must be None or one of 1, 2, 4, 8, 16, got {w!r}")
@@ -123,7 +124,7 @@ class BlockSizes:
 
   @classmethod
   def for_backend(cls, backend: str) -> BlockSizes:
-    """Production defaults: block_l 128 on GPU (Triton), 512 on TPU (lane-dense, fewer grid steps)."""
+    """Production defaults: block_l 128 on GPU (Triton), 512 on TPU (lane-dense, fewer steps)."""
     return cls(block_l=512) if backend == "tpu" else cls()
 
 
@@ -140,7 +141,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def resolve_backend(backend: str, interpret: bool) -> str:
-  """"auto" -> "tpu" on a TPU default backend, else "triton" (also the body run by interpret=True)."""
+  """"auto" -> "tpu" on a TPU default backend, else "triton" (the body interpret=True runs)."""
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "auto":
@@ -154,8 +155,8 @@ def _check_head_dim(dh: int, backend: str, interpret: bool, what: str = "Dh"):
   if interpret and dh % INTERPRET_HEAD_DIM_MULTIPLE == 0 and 0 < dh <= INTERPRET_MAX_HEAD_DIM:
     return
   raise ValueError(
-      f"tree_attention: head width {what}={dh} unsupported on backend {backend!r}: compiled kernels "
-      f"support Dh in {SUPPORTED_HEAD_DIMS}; interpret=True also accepts multiples of "
+      f"tree_attention: head width {what}={dh} unsupported on backend {backend!r}: compiled "
+      f"kernels support Dh in {SUPPORTED_HEAD_DIMS}; interpret=True also accepts multiples of "
       f"{INTERPRET_HEAD_DIM_MULTIPLE} up to {INTERPRET_MAX_HEAD_DIM}")
 
 
@@ -166,7 +167,8 @@ def _validate(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, backe
     raise ValueError(f"tree_attention: q must be [B, T, H, Dh], got shape {q.shape}")
   b, t, h, dh = q.shape
   if k_cache.ndim != 4 or k_cache.shape[0] != b or k_cache.shape[3] != dh:
-    raise ValueError(f"tree_attention: k_cache must be [B={b}, L, Hkv, Dh={dh}], got {k_cache.shape}")
+    raise ValueError(f"tree_attention: k_cache must be [B={b}, L, Hkv, Dh={dh}], got "
+                     f"{k_cache.shape}")
   if v_cache.shape != k_cache.shape:
     raise ValueError(f"tree_attention: v_cache shape {v_cache.shape} != k_cache shape "
                      f"{k_cache.shape}")
@@ -202,8 +204,9 @@ def _validate(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, backe
     raise ValueError(f"tree_attention: block_l={bs.block_l} breaks the Triton rule: block shapes "
                      "must be powers of two >= 16")
   if backend == "tpu" and bs.block_l % _TPU_LANES != 0:
-    raise ValueError(f"tree_attention: block_l={bs.block_l} breaks the TPU (8, 128) rule: the cache "
-                     f"block's L dim is the score tile's lane dim, so it must be a multiple of 128")
+    raise ValueError(f"tree_attention: block_l={bs.block_l} breaks the TPU (8, 128) rule: the "
+                     "cache block's L dim is the score tile's lane dim, so it must be a multiple "
+                     "of 128")
 
 
 def _online_update(q, k, v, allowed, m, den, acc, scale):
@@ -226,8 +229,8 @@ def _normalise(acc, den):
 
 # -------------------------------------------- Triton --------------------------------------------
 
-def _triton_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs, scale, block_l,
-                   split_len, cache_len, split_out):
+def _triton_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs, scale,
+                   block_l, split_len, cache_len, split_out):
   # len_ref []; q_ref [M, Dh]; k_ref, v_ref [L, Dh]; kn_ref, vn_ref [Tn, Dh]; mask_ref [M, Tn] int32
   # out: o_ref [M, Dh] (one split) or acc_ref [M, Dh], m_ref [M, 1], l_ref [M, 1] (f32 partials)
   s_id = pl.program_id(2)
@@ -236,7 +239,7 @@ def _triton_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_
   mp, dh = q.shape
   lo = s_id * split_len
   hi = jnp.minimum(jnp.minimum(length, lo + split_len), cache_len)
-  n_blocks = (jnp.maximum(hi - lo, 0) + block_l - 1) // block_l
+  n_blocks = lax.div(jnp.maximum(hi - lo, 0) + (block_l - 1), block_l)  # operands >= 0
 
   def body(j, carry):
     m, den, acc = carry
@@ -326,7 +329,7 @@ def _tree_attention_triton(qr, k_cache, v_cache, lens, kn, vn, mask, *, scale, b
 
 
 def _combine(acc, m, den, *, split_axis):
-  """Flash-decoding combine of per-split (acc [.., S, M, Dh], m, den [.., S, M, 1]) -> [.., M, Dh]."""
+  """Flash-decoding combine of split partials acc [.., S, M, Dh], m, den [.., S, M, 1]."""
   m_max = jnp.max(m, axis=split_axis, keepdims=True)
   w = jnp.exp(m - m_max)  # all-masked splits have den = 0, acc = 0 whatever w is
   den_tot = jnp.sum(w * den, axis=split_axis)
@@ -410,7 +413,7 @@ def _tree_attention_tpu(qr, k_cache, v_cache, lens, k_new, v_new, mask, *, scale
   vn = v_new.reshape(b, t, hkv * dh)
 
   def cache_map(i, s, j, lens_ref):
-    last = jnp.maximum((jnp.minimum(lens_ref[i], lc) + block_l - 1) // block_l - 1, 0)
+    last = jnp.maximum(lax.div(jnp.minimum(lens_ref[i], lc) + (block_l - 1), block_l) - 1, 0)
     return i, jnp.minimum(s * bps + j, last), 0
 
   in_specs = [
@@ -475,7 +478,7 @@ def _tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask,
     lpad = max(block_sizes.block_l - lc, 0)  # only tiny caches (L < block_l) are padded
   else:
     mp = _round_up(rows, 8)  # sublane multiple
-    tn = t
+    tn = _round_up(t, 8)  # new keys padded too (Mosaic mis-lowers a K=1 contraction)
     lpad = 0 if lc > 0 else 8
   # q [B, T, H, Dh] -> [B, Hkv, T * g, Dh] (row t * g + j = token t, head k * g + j), rows padded.
   qr = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, rows, dh)

@@ -118,7 +118,7 @@ def loss_fn(config: ModelConfig, params, heads: Heads, h, labels, mask):
 
 
 def fit_heads(config: ModelConfig, params, heads: Heads, tokens, lengths, hidden, *,
-              steps: int = 300, batch_size: int = 256, learning_rate: float = 1e-3, seed: int = 0,
+              steps: int = 300, batch_size: int = 256, learning_rate: float = 1e-2, seed: int = 0,
               progress: bool = True):
   """Fit the heads by self-distillation on the target's own rollouts (tokens [B, M], lengths [B],
   hidden [B, M, D] from ``generate(..., return_hidden=True)``); no extra target forward.

@@ -90,7 +90,7 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
               topk, attn_impl, return_hidden) -> SpecState:
   """One speculative step for every slot: propose, plan, verify, commit."""
   from specroll_jax.rollout import stop_mask
-  r = s.root.shape[0]
+
   k_heads = len(topk)
   active = ~s.done
   head_lp = jax.nn.log_softmax(_heads.apply(config, params, heads, s.h), axis=-1)  # [R, K, V]
@@ -133,7 +133,7 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
       head_proposed=s.head_proposed + (tree_depth[:, None] >= ks).sum(0).astype(jnp.int32),
       head_accepted=s.head_accepted + (depth_reached[:, None] >= ks).sum(0).astype(jnp.int32),
       nodes_verified=s.nodes_verified + (tr.valid.sum(1) - 1).sum().astype(jnp.int32))
-  _ = r
+
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "num_nodes", "topk",
@@ -152,7 +152,7 @@ def _run_bucket(config, params, heads, s: SpecState, eos_ids, seed, *, sampling,
   return jax.lax.while_loop(cond, lambda s: body(s), s)
 
 
-@functools.partial(jax.jit, static_argnames=("rows",), donate_argnames=("s",))
+@functools.partial(jax.jit, static_argnames=("rows",))
 def _compact(s: SpecState, *, rows: int) -> SpecState:
   """Move the active slots first and keep ``rows`` slots (the KV cache moves with them)."""
   order = jnp.argsort(s.done, stable=True)[:rows]

@@ -1,0 +1,384 @@
+"""Fused unembed + Gumbel-max sampling + logsumexp: the sampled token and its logprob per row,
+without writing the [R, V] logits to memory.
+
+Shapes (dimension legend in ``specroll_jax/__init__.py``):
+  hidden     [R, D]  final-normed hidden states (the caller applies the final norm)
+  unembed    [D, V]  output projection
+  seed       []      uint32/int scalar
+  sample_ids [R] int32, positions [R] int32   noise coordinates (``specroll_jax.sampling``)
+  -> tokens [R] int32, logprobs [R] f32
+
+For each row, with x = logits / T (T > 0) or x = logits (T = 0, greedy), the token is
+argmax_v (x_v + Gumbel(seed, sample_id, position, v)) (greedy: argmax_v x_v), lowest id on ties like
+``jnp.argmax``, and the logprob is x_tok - logsumexp(x): exactly ``sampling.sample`` with a plain
+(no top-k / top-p) ``SamplingConfig``. The noise is computed in-kernel by the same functions
+(``row_key``, ``token_bits``, ``gumbel_from_bits``), so it is bit-identical to the jnp path.
+
+Kernel: a tile of rows x a tile of vocab per step, logits = hidden_tile @ unembed_tile in f32
+accumulation, then an online max of x + g with argmax tracking and an online logsumexp of x.
+Vocab tiles are spread over S splits (separate programs, for parallelism when R is small); each
+split writes (best key, its id, its x, running max, running sum) per row; a jnp step combines them.
+Triton: grid (row tiles, S), each program loops over its vocab tiles and over D in block_d chunks.
+Mosaic: grid (row tiles, S, tiles per split) with the vocab axis a sequential reduction, whole D per
+step. Non-finite logits make the row's logprob non-finite (check ``jnp.isfinite(logprobs)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pl_triton
+
+from pallas_kernels.tree_attention import BACKENDS, resolve_backend
+from specroll_jax import sampling
+from specroll_jax.sampling import gumbel_from_bits, row_key, token_bits
+
+_NEG = -1e30
+_BIG_ID = 2**31 - 1
+_TPU_LANES = 128
+_GPU_TARGET_PROGRAMS = 264  # ~2 waves of an H100/H200 (132 SMs)
+
+__all__ = ["BACKENDS", "BlockSizes", "fused_sample", "fused_sample_reference"]
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiling of the fused sampler. Frozen and hashable (a static jit argument).
+
+  block_r: rows per tile; None: Triton min(max(16, next_pow2(R)), 128), TPU
+    min(round_up(R, 8), 256). The unembed is streamed once per row tile: large R wants big tiles.
+  block_v: vocab ids per tile (Triton: power of two >= 16; TPU: multiple of 128); None: 128 on
+    Triton, 512 on TPU.
+  block_d: D chunk per matmul step (Triton only; power of two >= 16 dividing D); None: the largest
+    of 128, 64, 32, 16 dividing D.
+  num_splits: vocab splits run as separate programs; None: enough for ~2 waves of an H200 on Triton,
+    1 (2 for a single row tile) on TPU.
+  num_warps / num_stages: Triton launch parameters (num_warps None: 4 for block_r <= 32, else 8).
+  """
+
+  block_r: int | None = None
+  block_v: int | None = None
+  block_d: int | None = None
+  num_splits: int | None = None
+  num_warps: int | None = None
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_r", "block_v", "block_d", "num_splits"):
+      x = getattr(self, name)
+      if x is not None and (not isinstance(x, int) or x < 1):
+        raise ValueError(f"fused_sampler.BlockSizes.{name} must be None or an int >= 1, got {x!r}")
+    w = self.num_warps
+    if w is not None and w not in (1, 2, 4, 8, 16):
+      raise ValueError(f"fused_sampler.BlockSizes.num_warps must be None or 1/2/4/8/16, got {w!r}")
+    if not isinstance(self.num_stages, int) or self.num_stages < 1:
+      raise ValueError(f"fused_sampler.BlockSizes.num_stages must be an int >= 1, got "
+                       f"{self.num_stages!r}")
+
+
+def _is_pow2(n: int) -> bool:
+  return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(n - 1, 0).bit_length()
+
+
+def _round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def _cdiv(n: int, m: int) -> int:
+  return -(-n // m)
+
+
+def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temperature: float):
+  """``sampling.sample`` on f32 logits ``hidden @ unembed`` (plain config): (tokens, logprobs)."""
+  logits = jnp.dot(hidden.astype(jnp.float32), unembed.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+  cfg = sampling.SamplingConfig(temperature=float(temperature))
+  tokens, logprobs, _ = sampling.sample(logits, seed, sample_ids, positions, cfg)
+  return tokens, logprobs
+
+
+# ------------------------------------------ kernel math -------------------------------------------
+
+def _tile_update(logits, ids, ok, key, carry, temperature):
+  """Fold one [r, v] tile of f32 logits into the per-row running state.
+
+  ids int32 [1, v] token ids; ok bool [1, v] real, not-yet-seen ids; key uint32 [r, 1] row keys.
+  carry = (best_z, best_id, best_x, m, den), each [r, 1]: the best perturbed value x + g so far, its
+  token id and its x, and the running max / sum of exp for logsumexp(x).
+  """
+  best_z, best_id, best_x, m, den = carry
+  x = logits / jnp.float32(temperature) if temperature > 0 else logits
+  if temperature > 0:
+    z = x + gumbel_from_bits(token_bits(key, ids))
+  else:
+    z = x
+  z = jnp.where(ok, z, _NEG)
+  xm = jnp.where(ok, x, _NEG)
+  tile_z = jnp.max(z, axis=1, keepdims=True)
+  tile_id = jnp.min(jnp.where(z == tile_z, ids, _BIG_ID), axis=1, keepdims=True)  # lowest id wins
+  tile_x = jnp.max(jnp.where(ids == tile_id, xm, _NEG), axis=1, keepdims=True)
+  better = tile_z > best_z  # strict: tiles arrive in increasing id order, so earlier ids keep ties
+  best_z = jnp.where(better, tile_z, best_z)
+  best_id = jnp.where(better, tile_id, best_id)
+  best_x = jnp.where(better, tile_x, best_x)
+  m_new = jnp.maximum(m, jnp.max(xm, axis=1, keepdims=True))
+  p = jnp.where(ok, jnp.exp(xm - m_new), 0.0)
+  den = den * jnp.exp(m - m_new) + jnp.sum(p, axis=1, keepdims=True)
+  return best_z, best_id, best_x, m_new, den
+
+
+def _init_carry(rows):
+  neg = jnp.full((rows, 1), _NEG, jnp.float32)
+  return neg, jnp.zeros((rows, 1), jnp.int32), neg, neg, jnp.zeros((rows, 1), jnp.float32)
+
+
+def _combine(best_z, best_id, best_x, m, den):
+  """Combine per-split partials [S, R, 1] -> (tokens [R] int32, logprobs [R] f32)."""
+  z = jnp.max(best_z, axis=0, keepdims=True)
+  tok = jnp.min(jnp.where(best_z == z, best_id, _BIG_ID), axis=0, keepdims=True)
+  x_tok = jnp.max(jnp.where((best_id == tok) & (best_z == z), best_x, _NEG), axis=0)
+  m_max = jnp.max(m, axis=0, keepdims=True)
+  lse = m_max[0] + jnp.log(jnp.sum(den * jnp.exp(m - m_max), axis=0))
+  return tok[0, :, 0], (x_tok - lse)[:, 0]
+
+
+# --------------------------------------------- Triton ---------------------------------------------
+
+def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperature, vocab,
+                   v_read, block_v, block_d, tiles_per_split, n_tiles):
+  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, Vp] (whole); out_refs 5 x [r, 1]
+  s_id = pl.program_id(1)
+  rows, d_model = h_ref.shape
+  key = row_key(seed_ref[...], sid_ref[...], pos_ref[...])  # uint32 [r, 1]
+  t_lo = s_id * tiles_per_split
+  n_local = jnp.minimum(tiles_per_split, n_tiles - t_lo)
+  iota = lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
+
+  def vocab_tile(j, carry):
+    start = (t_lo + j) * block_v
+    ld = jnp.minimum(start, v_read - block_v)  # last tile shifted back to end inside the array
+    ids = ld + iota
+    ok = (ids >= start) & (ids < vocab)  # not seen in the previous tile, not padding
+
+    def d_chunk(c, acc):
+      d0 = pl.multiple_of(c * block_d, block_d)
+      h = h_ref[:, pl.ds(d0, block_d)]
+      w = w_ref[pl.ds(d0, block_d), pl.ds(ld, block_v)]
+      return acc + jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+    logits = lax.fori_loop(0, d_model // block_d, d_chunk,
+                           jnp.zeros((rows, block_v), jnp.float32))
+    return _tile_update(logits, ids, ok, key, carry, temperature)
+
+  carry = lax.fori_loop(0, n_local, vocab_tile, _init_carry(rows))
+  for ref, val in zip(out_refs, carry, strict=True):
+    ref[...] = val
+
+
+def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret):
+  rp, d_model = hidden.shape
+  vocab = unembed.shape[1]
+  block_r, block_v = bs.block_r, bs.block_v
+  block_d = bs.block_d
+  if block_d is None:
+    block_d = next((c for c in (128, 64, 32, 16) if d_model % c == 0), d_model)
+  if vocab < block_v:  # tiny vocab: pad the (small) unembed; padded ids are masked via `vocab`
+    unembed = jnp.pad(unembed, ((0, 0), (0, block_v - vocab)))
+  v_read = max(vocab, block_v)
+  n_tiles = _cdiv(vocab, block_v)
+  row_tiles = rp // block_r
+  splits = bs.num_splits
+  if splits is None:
+    splits = max(1, _GPU_TARGET_PROGRAMS // row_tiles)
+  splits = max(1, min(splits, n_tiles))
+  tps = _cdiv(n_tiles, splits)
+  splits = _cdiv(n_tiles, tps)
+  num_warps = bs.num_warps if bs.num_warps is not None else (4 if block_r <= 32 else 8)
+  kernel = functools.partial(_triton_kernel, temperature=temperature, vocab=vocab,
+                             v_read=v_read, block_v=block_v, block_d=block_d, tiles_per_split=tps,
+                             n_tiles=n_tiles)
+  row_spec = pl.BlockSpec((block_r, 1), lambda i, s: (i, 0))
+  out_spec = pl.BlockSpec((None, block_r, 1), lambda i, s: (s, i, 0))
+  f32, i32 = jnp.float32, jnp.int32
+  out_shape = [jax.ShapeDtypeStruct((splits, rp, 1), dt) for dt in (f32, i32, f32, f32, f32)]
+  outs = pl.pallas_call(
+      kernel,
+      grid=(row_tiles, splits),
+      in_specs=[row_spec, row_spec, row_spec,
+                pl.BlockSpec((block_r, d_model), lambda i, s: (i, 0)),
+                pl.BlockSpec((d_model, unembed.shape[1]), lambda i, s: (0, 0))],
+      out_specs=[out_spec] * 5,
+      out_shape=out_shape,
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=bs.num_stages),
+      interpret=interpret,
+      name="fused_sample_triton",
+  )(seeds, sids, pos, hidden, unembed)
+  return _combine(*outs)
+
+
+# --------------------------------------------- Mosaic ---------------------------------------------
+
+def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vocab, block_v,
+                tiles_per_split, n_tiles):
+  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, block_v]; 5 outputs [r, 128] then
+  # 5 scratch [r, 128] (state broadcast over lanes). Grid (row tiles, S, tiles per split).
+  outs, scratch = refs[:5], refs[5:]
+  s_id, j = pl.program_id(1), pl.program_id(2)
+  tile = s_id * tiles_per_split + j
+
+  @pl.when(j == 0)
+  def _init():
+    for ref, val in zip(scratch, _init_carry(h_ref.shape[0]), strict=True):
+      ref[...] = jnp.broadcast_to(val, ref.shape)
+
+  @pl.when(tile < n_tiles)
+  def _step():
+    key = row_key(seed_ref[...], sid_ref[...], pos_ref[...])
+    logits = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+    ids = tile * block_v + lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
+    ok = ids < vocab  # the partial last block's padding holds garbage: masked by select
+    carry = tuple(ref[...][:, :1] for ref in scratch)
+    new = _tile_update(logits, ids, ok, key, carry, temperature)
+    for ref, val in zip(scratch, new, strict=True):
+      ref[...] = jnp.broadcast_to(val, ref.shape)
+
+  @pl.when(j == tiles_per_split - 1)
+  def _finish():
+    for o, sc in zip(outs, scratch, strict=True):
+      o[...] = sc[...]
+
+
+def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret):
+  rp, d_model = hidden.shape
+  vocab = unembed.shape[1]
+  block_r = bs.block_r
+  block_v = bs.block_v if vocab > bs.block_v else vocab  # a full-dim block is always legal
+  n_tiles = _cdiv(vocab, block_v)
+  row_tiles = rp // block_r
+  splits = bs.num_splits if bs.num_splits is not None else (2 if row_tiles == 1 else 1)
+  splits = max(1, min(splits, n_tiles))
+  tps = _cdiv(n_tiles, splits)
+  splits = _cdiv(n_tiles, tps)
+  kernel = functools.partial(_tpu_kernel, temperature=temperature, vocab=vocab, block_v=block_v,
+                             tiles_per_split=tps, n_tiles=n_tiles)
+  row_spec = pl.BlockSpec((block_r, 1), lambda i, s, j: (i, 0))
+  out_spec = pl.BlockSpec((None, block_r, _TPU_LANES), lambda i, s, j: (s, i, 0))
+  f32, i32 = jnp.float32, jnp.int32
+  dts = (f32, i32, f32, f32, f32)
+  outs = pl.pallas_call(
+      kernel,
+      grid=(row_tiles, splits, tps),
+      in_specs=[row_spec, row_spec, row_spec,
+                pl.BlockSpec((block_r, d_model), lambda i, s, j: (i, 0)),
+                pl.BlockSpec((d_model, block_v),
+                             lambda i, s, j: (0, jnp.minimum(s * tps + j, n_tiles - 1)))],
+      out_specs=[out_spec] * 5,
+      out_shape=[jax.ShapeDtypeStruct((splits, rp, _TPU_LANES), dt) for dt in dts],
+      scratch_shapes=[pltpu.VMEM((block_r, _TPU_LANES), dt) for dt in dts],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "arbitrary")),
+      interpret=interpret,
+      name="fused_sample_tpu",
+  )(seeds, sids, pos, hidden, unembed)
+  return _combine(*(o[..., :1] for o in outs))
+
+
+# -------------------------------------------- wrapper ---------------------------------------------
+
+def _resolve_blocks(bs: BlockSizes, backend: str, interpret: bool, r: int, d_model: int,
+                    vocab: int) -> BlockSizes:
+  """Fill None fields with the backend's defaults and check the backend's tiling rule."""
+  if backend == "triton":
+    block_r = bs.block_r if bs.block_r is not None else min(max(16, _next_pow2(r)), 128)
+    block_v = bs.block_v if bs.block_v is not None else 128
+    for name, val in (("block_r", block_r), ("block_v", block_v)):
+      if not _is_pow2(val) or val < 16:
+        raise ValueError(f"fused_sample: {name}={val} breaks the Triton rule: block shapes must be "
+                         "powers of two >= 16")
+    block_d = bs.block_d
+    if block_d is None and not interpret and d_model % 16 != 0:
+      raise ValueError(f"fused_sample: D={d_model} must be a multiple of 16 on Triton (D is "
+                       "tiled in power-of-two chunks)")
+    if block_d is not None and (not _is_pow2(block_d) or block_d < 16 or d_model % block_d):
+      raise ValueError(f"fused_sample: block_d={block_d} breaks the Triton rule: a power of two "
+                       f">= 16 that divides D={d_model}")
+  else:
+    block_r = bs.block_r if bs.block_r is not None else min(_round_up(r, 8), 256)
+    block_v = bs.block_v if bs.block_v is not None else 512
+    if block_r % 8:
+      raise ValueError(f"fused_sample: block_r={block_r} breaks the TPU (8, 128) rule: rows are "
+                       "the sublane dim, so block_r must be a multiple of 8")
+    if block_v % _TPU_LANES:
+      raise ValueError(f"fused_sample: block_v={block_v} breaks the TPU (8, 128) rule: vocab ids "
+                       "are the lane dim, so block_v must be a multiple of 128")
+    block_d = None
+  return dataclasses.replace(bs, block_r=block_r, block_v=block_v, block_d=block_d)
+
+
+@functools.partial(jax.jit, static_argnames=("temperature", "backend", "block_sizes", "interpret"))
+def _fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature, backend,
+                  block_sizes, interpret):
+  r = hidden.shape[0]
+  rp = _round_up(r, block_sizes.block_r)
+  pad = lambda a: jnp.pad(a, ((0, rp - r),) + ((0, 0),) * (a.ndim - 1))
+  hidden = pad(hidden.astype(unembed.dtype))
+  seeds = jnp.broadcast_to(jnp.asarray(seed).astype(jnp.uint32), (rp, 1))
+  sids = pad(sample_ids.astype(jnp.int32)[:, None])
+  pos = pad(positions.astype(jnp.int32)[:, None])
+  impl = _fused_sample_triton if backend == "triton" else _fused_sample_tpu
+  tokens, logprobs = impl(seeds, sids, pos, hidden, unembed, temperature=temperature,
+                          bs=block_sizes, interpret=interpret)
+  return tokens[:r], logprobs[:r]
+
+
+def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: float,
+                 block_sizes: BlockSizes | None = None, backend: str = "auto",
+                 interpret: bool = False):
+  """Sample one token per row from softmax((hidden @ unembed) / temperature) with counter-based
+  Gumbel noise; returns (tokens int32 [R], logprobs f32 [R]) equal to ``fused_sample_reference``.
+
+  temperature: static; 0 means greedy (logprob under softmax(logits)). backend: "triton", "tpu" or
+  "auto" (see ``tree_attention.resolve_backend``); ``interpret=True`` runs the body in the Pallas
+  interpreter (CPU tests). Raises ValueError before tracing on bad shapes, dtypes, temperature or
+  block sizes that break the backend's tiling rule.
+  """
+  backend = resolve_backend(backend, interpret)
+  t = temperature
+  if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+    raise ValueError(f"fused_sample: temperature must be a finite number >= 0, got {t!r}")
+  if hidden.ndim != 2 or unembed.ndim != 2 or hidden.shape[1] != unembed.shape[0]:
+    raise ValueError(f"fused_sample: need hidden [R, D] and unembed [D, V] with the same D, got "
+                     f"hidden {hidden.shape}, unembed {unembed.shape}")
+  r, d_model = hidden.shape
+  vocab = unembed.shape[1]
+  if r < 1 or d_model < 1 or vocab < 1:
+    raise ValueError(f"fused_sample: R, D, V must be >= 1, got hidden {hidden.shape}, unembed "
+                     f"{unembed.shape}")
+  for name, x in (("hidden", hidden), ("unembed", unembed)):
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float16):
+      raise ValueError(f"fused_sample: {name} dtype must be float32/bfloat16/float16, got "
+                       f"{x.dtype}")
+  for name, x in (("sample_ids", sample_ids), ("positions", positions)):
+    if x.shape != (r,) or not jnp.issubdtype(x.dtype, jnp.integer):
+      raise ValueError(f"fused_sample: {name} must be integer [R]={(r,)}, got "
+                       f"{x.dtype}{list(x.shape)}")
+  if jnp.ndim(seed) != 0:
+    raise ValueError(f"fused_sample: seed must be a scalar, got shape {jnp.shape(seed)}")
+  bs = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(bs, BlockSizes):
+    raise ValueError(f"fused_sample: block_sizes must be a fused_sampler.BlockSizes, got "
+                     f"{type(bs).__name__}")
+  bs = _resolve_blocks(bs, backend, interpret, r, d_model, vocab)
+  return _fused_sample(hidden, unembed, seed, sample_ids, positions, temperature=float(t),
+                       backend=backend, block_sizes=bs, interpret=bool(interpret))

@@ -1,0 +1,191 @@
+"""Supervised fine-tuning on GSM8K and the embedded default model (built once, cached on disk).
+
+``build_default_model()`` trains a byte-level BPE tokenizer on GSM8K train, then a small Qwen2-
+architecture model by SFT on the train solutions (optax AdamW, a few minutes on 2 CPU cores), and
+writes it with ``save_pretrained`` + the tokenizer into ``~/.cache/specroll_jax/<name>/``. Callers
+then load it with ``load_pretrained`` exactly like a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from specroll_jax import models
+from specroll_jax.data import gsm8k
+from specroll_jax.models.tokenizer import Tokenizer, train_bpe
+from specroll_jax.progress import progress_range
+
+_CALC = re.compile(r"<<[^>]*>>")
+
+
+def solution_text(answer: str) -> str:
+  """The GSM8K solution without its calculator annotations (``<<48/2=24>>``)."""
+  return _CALC.sub("", answer)
+
+
+def training_text(ex: gsm8k.Example) -> tuple[str, str]:
+  """(prompt, completion) of one SFT example."""
+  return gsm8k.format_prompt(ex.question), gsm8k.format_target(solution_text(ex.answer))
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  vocab_size: int = 2048
+  seq_len: int = 288
+  batch_size: int = 16
+  steps: int = 600
+  learning_rate: float = 3e-3
+  warmup: int = 30
+  seed: int = 0
+  max_seconds: float | None = None  # stop early (at a step boundary) after this much training time
+  num_train: int | None = None  # use the first n train examples (None: all)
+
+  @classmethod
+  def tiny(cls) -> SFTConfig:
+    """For tests: trains in seconds."""
+    return cls(vocab_size=1024, seq_len=192, batch_size=16, steps=200, learning_rate=1e-2,
+               warmup=10, num_train=2000)
+
+
+def encode_examples(tok: Tokenizer, examples, seq_len: int):
+  """Token arrays for SFT: (tokens [n, seq_len], loss mask [n, seq_len]) over prompt + completion
+  + EOS. Examples longer than ``seq_len`` are dropped (never truncated); returns the drop count."""
+  eos = tok.eos_ids[0]
+  rows, masks, dropped = [], [], 0
+  for ex in examples:
+    prompt, completion = training_text(ex)
+    ids = tok.encode(prompt + completion) + [eos]
+    if len(ids) > seq_len:
+      dropped += 1
+      continue
+    t = np.zeros(seq_len, np.int32)
+    t[: len(ids)] = ids
+    m = np.zeros(seq_len, np.float32)
+    m[: len(ids) - 1] = 1.0  # predict every next token of the sequence (prompt included)
+    rows.append(t)
+    masks.append(m)
+  return np.stack(rows), np.stack(masks), dropped
+
+
+def lm_loss(config, params, tokens, mask):
+  logits = models.forward(config, params, tokens[:, :-1], attn_impl="reference")
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+  m = mask[:, :-1]
+  return (ce * m).sum() / jnp.maximum(m.sum(), 1.0)
+
+
+def train(config: models.ModelConfig, tok: Tokenizer, sft: SFTConfig, *, progress: bool = True):
+  """SFT from scratch. Returns (params, metrics dict)."""
+  train_ex = gsm8k.load("train")[: sft.num_train]
+  tokens, mask, dropped = encode_examples(tok, train_ex, sft.seq_len)
+  params = models.init_params(jax.random.key(sft.seed), config)
+  sched = optax.warmup_cosine_decay_schedule(0.0, sft.learning_rate, sft.warmup, sft.steps,
+                                             sft.learning_rate * 0.05)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
+  opt = tx.init(params)
+
+  @jax.jit
+  def update(params, opt, t, m):
+    loss, g = jax.value_and_grad(lambda p: lm_loss(config, p, t, m))(params)
+    upd, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, upd), opt, loss
+
+  rng = np.random.default_rng(sft.seed)
+  losses, t0, steps_done = [], time.perf_counter(), 0
+  for _ in progress_range(sft.steps, "SFT on GSM8K", enabled=progress):
+    idx = rng.integers(0, len(tokens), sft.batch_size)
+    params, opt, loss = update(params, opt, jnp.asarray(tokens[idx]), jnp.asarray(mask[idx]))
+    losses.append(float(loss))
+    steps_done += 1
+    if sft.max_seconds is not None and time.perf_counter() - t0 > sft.max_seconds:
+      break
+  metrics = {"train_examples": len(tokens), "train_dropped_too_long": dropped,
+             "steps": steps_done, "train_seconds": time.perf_counter() - t0,
+             "final_train_loss": float(np.mean(losses[-20:])), "train_loss_curve": losses}
+  return params, metrics
+
+
+def test_loss(config, params, tok: Tokenizer, seq_len: int, n: int = 256) -> float:
+  tokens, mask, _ = encode_examples(tok, gsm8k.load("test")[:n], seq_len)
+  f = jax.jit(lambda t, m: lm_loss(config, params, t, m))
+  vals = [float(f(jnp.asarray(tokens[i:i + 32]), jnp.asarray(mask[i:i + 32])))
+          for i in range(0, len(tokens), 32)]
+  return float(np.mean(vals))
+
+
+def evaluate_accuracy(config, params, tok: Tokenizer, *, n: int = 64, max_new_tokens: int = 192,
+                      batch_size: int = 32) -> dict:
+  """Greedy GSM8K test accuracy (strict '#### N' and flexible last-number) on the first n."""
+  from specroll_jax import rewards, rollout
+  exs = gsm8k.load("test")[:n]
+  strict = flexible = 0.0
+  for i in range(0, len(exs), batch_size):
+    chunk = exs[i:i + batch_size]
+    prompts = [tok.encode(gsm8k.format_prompt(e.question)) for e in chunk]
+    r = rollout.generate(config, params, prompts, sampling=rollout.SamplingConfig(temperature=0.0),
+                         max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids)
+    for row, e in enumerate(chunk):
+      text = tok.decode(np.asarray(r.tokens[row, : int(r.lengths[row])]).tolist())
+      strict += rewards.gsm8k_reward(text, e.gold)
+      flexible += rewards.gsm8k_reward(text, e.gold, mode="flexible")
+  return {"n": len(exs), "accuracy_strict": strict / len(exs),
+          "accuracy_flexible": flexible / len(exs)}
+
+
+def default_cache_dir() -> Path:
+  return Path(os.environ.get("SPECROLL_CACHE", Path.home() / ".cache" / "specroll_jax"))
+
+
+def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
+                eval_examples: int = 64) -> Path:
+  """Build (tokenizer + SFT model + metrics.json) into ``path`` unless it is already complete.
+  The folder appears atomically (built in a temporary sibling, then renamed)."""
+  path = Path(path)
+  if (path / "metrics.json").exists():
+    return path
+  path.parent.mkdir(parents=True, exist_ok=True)
+  tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+  try:
+    texts = [q + a for q, a in (training_text(e) for e in gsm8k.load("train"))]
+    tok = train_bpe(texts, vocab_size=sft.vocab_size)
+    config = config_fn(tok.vocab_size).replace(eos_token_ids=tok.eos_ids)
+    params, metrics = train(config, tok, sft, progress=progress)
+    models.save_pretrained(tmp, config, params)
+    tok.save(tmp)
+    metrics["test_loss"] = test_loss(config, params, tok, sft.seq_len)
+    if eval_examples:
+      metrics.update(evaluate_accuracy(config, params, tok, n=eval_examples))
+    metrics["sft_config"] = dataclasses.asdict(sft)
+    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+    if path.exists():
+      shutil.rmtree(path)
+    os.replace(tmp, path)
+  finally:
+    if tmp.exists():
+      shutil.rmtree(tmp, ignore_errors=True)
+  return path
+
+
+def build_default_model(*, progress: bool = True, max_seconds: float = 300.0) -> Path:
+  """The embedded default model of ``experiments/gsm8k.py`` (cached after the first build)."""
+  sft = SFTConfig(max_seconds=max_seconds, steps=2000)
+  return build_model(default_cache_dir() / "gsm8k-tiny-qwen2-v1",
+                     models.ModelConfig.embedded_default, sft, progress=progress)
+
+
+def build_test_model(path, *, progress: bool = False) -> Path:
+  """The far smaller model the tests use (trains in seconds)."""
+  tiny = lambda v: models.ModelConfig.tiny(vocab_size=v, max_position_embeddings=512)
+  return build_model(path, tiny, SFTConfig.tiny(), progress=progress, eval_examples=0)
