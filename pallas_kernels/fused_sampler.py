@@ -31,6 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
@@ -43,6 +44,7 @@ from specroll_jax.sampling import gumbel_from_bits, row_key, token_bits
 _NEG = -1e30
 _BIG_ID = 2**31 - 1
 _TPU_LANES = 128
+_TPU_VMEM_BUDGET = 12 << 20  # under the 16 MiB default scoped VMEM of v5e
 _GPU_TARGET_PROGRAMS = 264  # ~2 waves of an H100/H200 (132 SMs)
 
 __all__ = ["BACKENDS", "BlockSizes", "fused_sample", "fused_sample_reference"]
@@ -55,7 +57,7 @@ class BlockSizes:
   block_r: rows per tile; None: Triton min(max(16, next_pow2(R)), 128), TPU
     min(round_up(R, 8), 256). The unembed is streamed once per row tile: large R wants big tiles.
   block_v: vocab ids per tile (Triton: power of two >= 16; TPU: multiple of 128); None: 128 on
-    Triton, 512 on TPU.
+    Triton; on TPU the widest of 512, 256, 128 whose double-buffered blocks fit 12 MiB of VMEM.
   block_d: D chunk per matmul step (Triton only; power of two >= 16 dividing D); None: the largest
     of 128, 64, 32, 16 dividing D.
   num_splits: vocab splits run as separate programs; None: enough for ~2 waves of an H200 on Triton,
@@ -297,7 +299,7 @@ def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, int
 # -------------------------------------------- wrapper ---------------------------------------------
 
 def _resolve_blocks(bs: BlockSizes, backend: str, interpret: bool, r: int, d_model: int,
-                    vocab: int) -> BlockSizes:
+                    itemsize: int) -> BlockSizes:
   """Fill None fields with the backend's defaults and check the backend's tiling rule."""
   if backend == "triton":
     block_r = bs.block_r if bs.block_r is not None else min(max(16, _next_pow2(r)), 128)
@@ -315,7 +317,10 @@ def _resolve_blocks(bs: BlockSizes, backend: str, interpret: bool, r: int, d_mod
                        f">= 16 that divides D={d_model}")
   else:
     block_r = bs.block_r if bs.block_r is not None else min(_round_up(r, 8), 256)
-    block_v = bs.block_v if bs.block_v is not None else 512
+    block_v = bs.block_v
+    if block_v is None:  # widest tile whose double-buffered hidden + unembed blocks fit 12 MiB
+      fits = lambda bv: 2 * (block_r + bv) * d_model * itemsize <= _TPU_VMEM_BUDGET
+      block_v = next((bv for bv in (512, 256) if fits(bv)), 128)
     if block_r % 8:
       raise ValueError(f"fused_sample: block_r={block_r} breaks the TPU (8, 128) rule: rows are "
                        "the sublane dim, so block_r must be a multiple of 8")
@@ -375,10 +380,12 @@ def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: f
                        f"{x.dtype}{list(x.shape)}")
   if jnp.ndim(seed) != 0:
     raise ValueError(f"fused_sample: seed must be a scalar, got shape {jnp.shape(seed)}")
+  if isinstance(seed, int):  # same uint32 bits as sampling.row_key's astype(uint32), up to 2**32
+    seed = np.uint32(seed & 0xFFFFFFFF)
   bs = BlockSizes() if block_sizes is None else block_sizes
   if not isinstance(bs, BlockSizes):
     raise ValueError(f"fused_sample: block_sizes must be a fused_sampler.BlockSizes, got "
                      f"{type(bs).__name__}")
-  bs = _resolve_blocks(bs, backend, interpret, r, d_model, vocab)
+  bs = _resolve_blocks(bs, backend, interpret, r, d_model, jnp.dtype(unembed.dtype).itemsize)
   return _fused_sample(hidden, unembed, seed, sample_ids, positions, temperature=float(t),
                        backend=backend, block_sizes=bs, interpret=bool(interpret))

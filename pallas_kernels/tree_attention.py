@@ -246,10 +246,11 @@ def _triton_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_
     start = lo + j * block_l
     ld = jnp.minimum(start, cache_len - block_l)  # last block shifted back inside [0, L)
     pos = ld + lax.broadcasted_iota(jnp.int32, (1, block_l), 1)
-    ok = (pos >= start) & (pos < hi)  # [1, block_l]
+    ok = (pos >= start) & (pos < hi)  # [1, block_l] key mask for the scores
+    pos_col = ld + lax.broadcasted_iota(jnp.int32, (block_l, 1), 0)
     k = k_ref[pl.ds(ld, block_l), :]
     v = v_ref[pl.ds(ld, block_l), :]
-    v = jnp.where(ok.reshape(block_l, 1), v, jnp.zeros_like(v))
+    v = jnp.where((pos_col >= start) & (pos_col < hi), v, jnp.zeros_like(v))
     return _online_update(q, k, v, ok, m, den, acc, scale)
 
   m = jnp.full((mp, 1), _NEG, jnp.float32)
@@ -269,9 +270,12 @@ def _triton_kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_
     o_ref[...] = _normalise(acc, den).astype(o_ref.dtype)
 
 
-def _auto_splits_gpu(b, hkv, n_tiles):
+def _auto_splits_gpu(b, hkv, n_tiles, lc, mp):
+  """Enough splits for ~2 waves of programs, but the f32 partials each split writes and the
+  combine reads back (2 * S * M * Dh * 4 bytes per (b, kv head)) stay <= 1/4 of the KV bytes read
+  (L * Dh * 2 * 2 bytes in bf16): S <= L / (8 M)."""
   want = max(1, _GPU_TARGET_PROGRAMS // max(b * hkv, 1))
-  return max(1, min(want, -(-n_tiles // 2)))
+  return max(1, min(want, n_tiles, lc // (8 * mp)))
 
 
 def _split_geometry(n_tiles, num_splits):
@@ -288,7 +292,9 @@ def _tree_attention_triton(qr, k_cache, v_cache, lens, kn, vn, mask, *, scale, b
   lc = k_cache.shape[1]
   tn = kn.shape[1]
   n_tiles = -(-lc // bs.block_l)
-  splits = bs.num_splits if bs.num_splits is not None else _auto_splits_gpu(b, hkv, n_tiles)
+  splits = bs.num_splits
+  if splits is None:
+    splits = _auto_splits_gpu(b, hkv, n_tiles, lc, mp)
   tps, splits = _split_geometry(n_tiles, splits)
   split_out = splits > 1
   num_warps = bs.num_warps if bs.num_warps is not None else (4 if mp <= 64 else 8)
@@ -506,6 +512,8 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, 
   backend: "triton" (GPU), "tpu" (Mosaic) or "auto" (tpu on a TPU default backend, else triton; with
   ``interpret=True`` the chosen body runs in the Pallas interpreter, e.g. on CPU).
   block_sizes: ``BlockSizes``; None picks ``BlockSizes.for_backend(backend)``.
+  q, k_new and v_new are cast to the cache dtype for the matmuls (f32 accumulation and softmax);
+  the output is in q.dtype. Cache positions past cache_lengths are never used, even if non-finite.
   Raises ValueError (before tracing) on mismatched shapes/heads, unsupported Dh or block sizes that
   break the backend's tiling rule. Static: scale, backend, block_sizes, interpret.
   """

@@ -10,7 +10,8 @@ of shape [B, V] is ever drawn, so the noise a token sees does not depend on the 
 tree that proposed it, or on the engine that verified it.
 
 Hash: the "lowbias32" integer finaliser (C. Wellons, hash-prospector) chained over the four words.
-Uniform: the top 24 bits, centred, so u lies strictly inside (0, 1) and the Gumbel is finite.
+Uniform: the top 23 bits, centred, so u lies strictly inside (0, 1) and the Gumbel is finite
+(24 bits would not do: (2^24 - 1) + 0.5 is not a float32 and rounds to 2^24: u = 1, Gumbel = +inf).
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ def token_bits(key, token_ids):
 
 
 def uniform_from_bits(bits):
-  """Top 24 bits -> float32 in (0, 1), exactly representable, never 0 or 1."""
-  return ((bits >> 8).astype(jnp.float32) + 0.5) * jnp.float32(1.0 / (1 << 24))
+  """Top 23 bits -> (k + 0.5) / 2^23 in float32: exactly representable, in [2^-24, 1 - 2^-24].
+
+  (k + 0.5 needs 24 significant bits, the most float32 holds; with 24 bits of k it would round.)
+  """
+  return ((bits >> 9).astype(jnp.float32) + 0.5) * jnp.float32(1.0 / (1 << 23))
 
 
 def gumbel_from_bits(bits):

@@ -178,3 +178,43 @@ def test_llama_attention_bias_is_rejected(tmp_path):
   model.save_pretrained(str(tmp_path))
   with pytest.raises(ValueError, match=r"config\.json.*attention_bias=True"):
     load_pretrained(tmp_path)
+
+
+_OURS = {
+    "qwen2_untied": dict(tie_word_embeddings=False),
+    "llama3_tied_gqa4": dict(architecture="llama", qkv_bias=False, num_kv_heads=1,
+                             rope_theta=500000.0, rms_norm_eps=1e-5,
+                             rope_scaling=tuple(sorted((k, float(v)) for k, v in _LLAMA3.items()
+                                                       if k != "rope_type"))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OURS))
+def test_transformers_loads_our_save_pretrained(name, tmp_path):
+  """The reverse direction: our ``save_pretrained`` output loads in transformers with equal logits
+  (checks ``to_hf_dict``, including the llama3 rope type)."""
+  from specroll_jax.models import ModelConfig, init_params, save_pretrained
+
+  config = ModelConfig.tiny(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, head_dim=16,
+                            max_position_embeddings=256, **_OURS[name])
+
+  @jax.jit
+  def perturbed(key):  # init_params has unit norms and zero biases: perturb every leaf
+    params = init_params(key, config)
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    return jax.tree.unflatten(treedef, [x + 0.2 * jax.random.normal(k, x.shape, x.dtype)
+                                        for x, k in zip(leaves, keys, strict=True)])
+
+  params = perturbed(jax.random.key(0))
+  save_pretrained(tmp_path, config, params)
+  model = getattr(transformers, f"{config.architecture.capitalize()}ForCausalLM").from_pretrained(
+      str(tmp_path), attn_implementation="eager").eval()
+  assert (model.config.rope_parameters or {}).get("rope_type", "default") == (
+      "llama3" if config.rope_scaling else "default")
+  tokens, valid = _prompts(0)
+  ref = _hf_logits(model, tokens, valid)
+  ours = np.asarray(_jit_forward(config, params, jnp.asarray(tokens)))
+  assert float(np.std(ref[valid])) > 0.5
+  err = float(np.max(np.abs(ours - ref)[valid]))
+  assert err < ATOL, f"{name}: max |ours - HF| = {err:.3g}"

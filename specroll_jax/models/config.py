@@ -85,8 +85,9 @@ class ModelConfig:
 
   @classmethod
   def from_hf_dict(cls, d: dict[str, Any], source: str = "config.json") -> ModelConfig:
-    """Parse a transformers ``config.json`` (old top-level ``rope_theta``/``torch_dtype`` style or the
-    transformers-5 ``rope_parameters``/``dtype`` style). Raises ValueError naming what is wrong."""
+    """Parse a transformers ``config.json`` (old top-level ``rope_theta``/``torch_dtype`` style or
+    the transformers-5 ``rope_parameters``/``dtype`` style). Raises ValueError naming what is
+    wrong."""
     archs = d.get("architectures") or []
     arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
     if arch is None:
@@ -108,8 +109,7 @@ class ModelConfig:
       missing = [k for k in need if k not in rope]
       if missing:
         raise ValueError(f"{source}: rope_scaling of type 'llama3' lacks {missing}")
-      rope_scaling = tuple(sorted(("rope_type", "llama3") if k == "rope_type" else (k, float(rope[k]))
-                                  for k in need))
+      rope_scaling = tuple(sorted((k, float(rope[k])) for k in need))
     elif rope_type != "default":
       raise ValueError(
           f"{source}: unsupported rope scaling type {rope_type!r}; supported: 'default', 'llama3'")

@@ -89,7 +89,8 @@ def load_config(path) -> ModelConfig:
 
 
 def load_pretrained(path) -> tuple[ModelConfig, dict]:
-  """Load ``(config, params)`` from a local Hugging Face folder. Params keep the checkpoint dtype."""
+  """Load ``(config, params)`` from a local Hugging Face folder; params are cast to the
+  config.json dtype."""
   path = Path(path)
   config = load_config(path)
   files = _tensor_files(path)

@@ -1,0 +1,264 @@
+"""Benchmark the Pallas kernels against their XLA (jitted jnp) counterparts.
+
+  tree attention: ``tree_attention`` vs ``tree_attention_reference`` (jitted), Qwen2.5-1.5B and 7B
+    layouts, achieved KV-read bandwidth against a measured device-to-device copy roofline;
+  fused sampler: ``fused_sample`` vs unembed (bf16 matmul, f32 out) + ``sampling.sample`` in XLA.
+
+Timing is device-side: after warm-up, each repetition enqueues ``--inner`` calls back to back and
+blocks once (so host dispatch overlaps device work); the median over ``--reps`` repetitions,
+divided by ``--inner``, is reported. Results go to a table on stdout and to JSON (``--out``),
+rewritten after every row so a run cut short keeps what it measured.
+
+  python experiments/bench_kernels.py --out bench.json             # GPU (H200): full grid, bf16
+  python experiments/bench_kernels.py --quick --out /tmp/q.json    # CPU smoke check, interpret mode
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import fused_sampler as fs
+from pallas_kernels import tree_attention as ta
+from specroll_jax import sampling
+
+# name -> (H, Hkv, Dh, D): Qwen2.5 layouts
+MODELS = {"qwen2.5-1.5b": (12, 2, 128, 1536), "qwen2.5-7b": (28, 4, 128, 3584)}
+VOCAB = 151936
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--out", type=Path, default=Path("bench_kernels.json"), help="JSON results path")
+  p.add_argument("--quick", action="store_true",
+                 help="tiny shapes, interpret mode on CPU (smoke check, < 60 s)")
+  p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+  p.add_argument("--lengths", nargs="+", type=int, default=[512, 4096], help="cache lengths L")
+  p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16], help="T = N + 1")
+  p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 256], help="B")
+  p.add_argument("--rows", nargs="+", type=int, default=[16, 256], help="sampler rows R")
+  p.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
+  p.add_argument("--skip-attention", action="store_true")
+  p.add_argument("--skip-sampler", action="store_true")
+  p.add_argument("--reps", type=int, default=30)
+  p.add_argument("--inner", type=int, default=5)
+  p.add_argument("--warmup", type=int, default=3)
+  p.add_argument("--copy-mib", type=int, default=2048, help="array size for the copy roofline")
+  p.add_argument("--mem-fraction", type=float, default=0.5,
+                 help="skip configs whose estimated footprint exceeds this share of device memory")
+  p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
+                 help="default: bfloat16 on GPU/TPU, float32 on CPU")
+  return p.parse_args(argv)
+
+
+def device_time(fn, *args, warmup: int, reps: int, inner: int) -> float:
+  """Median seconds per call (device-side: `inner` back-to-back calls per blocking sync)."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for _ in range(inner):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / inner)
+  return statistics.median(times)
+
+
+def device_memory_bytes() -> int:
+  stats = jax.devices()[0].memory_stats() or {}
+  return int(stats.get("bytes_limit", 8 << 30))
+
+
+def copy_roofline(mib: int, dtype, timing) -> float:
+  """Achieved bytes/s (read + write) of an XLA elementwise copy of a `mib` MiB array."""
+  n = (mib << 20) // jnp.dtype(dtype).itemsize
+  x = jnp.ones((n,), dtype)
+  f = jax.jit(lambda a: a + jnp.asarray(1, dtype))
+  t = device_time(f, x, **timing)
+  del x
+  return 2 * n * jnp.dtype(dtype).itemsize / t
+
+
+def attention_inputs(rng, b, t, h, hkv, dh, lc, dtype):
+  normal = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), dtype)
+  mask = np.tril(np.ones((t, t), bool))  # a chain; the cost does not depend on the tree shape
+  return (normal(b, t, h, dh), normal(b, lc, hkv, dh), normal(b, lc, hkv, dh),
+          jnp.full((b,), lc, jnp.int32), normal(b, t, hkv, dh), normal(b, t, hkv, dh),
+          jnp.asarray(np.broadcast_to(mask, (b, t, t))))
+
+
+def bench_attention(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
+  ref = jax.jit(ta.tree_attention_reference)
+  kern = jax.jit(lambda *a: ta.tree_attention(*a, interpret=interpret))
+  item = jnp.dtype(dtype).itemsize
+  rng = np.random.default_rng(0)
+  for model in args.models:
+    h, hkv, dh, _ = MODELS[model]
+    if args.quick:
+      h, hkv, dh = 4, 2, 64
+    for lc in args.lengths:
+      for t in args.tree_sizes:
+        for b in args.batches:
+          row = dict(bench="tree_attention", model=model, B=b, L=lc, T=t, H=h, Hkv=hkv, Dh=dh,
+                     dtype=jnp.dtype(dtype).name)
+          kv_bytes = 2 * b * lc * hkv * dh * item
+          # inputs + the reference's f32 scores / probabilities [B, H, T, L + T] (x3 live)
+          foot = kv_bytes + 3 * 4 * b * h * t * (lc + t) + 4 * b * t * h * dh * item
+          if foot > args.mem_fraction * mem_limit:
+            row["skipped"] = f"footprint {foot / 2**30:.1f} GiB"
+            emit(row)
+            continue
+          try:
+            inp = attention_inputs(rng, b, t, h, hkv, dh, lc, dtype)
+            out_k = kern(*inp)
+            out_r = ref(*inp)
+            row["max_abs_err"] = float(jnp.max(jnp.abs(out_k.astype(jnp.float32)
+                                                       - out_r.astype(jnp.float32))))
+            tk = device_time(kern, *inp, **timing)
+            tr = device_time(ref, *inp, **timing)
+            row.update(kernel_us=tk * 1e6, xla_us=tr * 1e6, speedup=tr / tk,
+                       kv_gbps=kv_bytes / tk / 1e9, xla_kv_gbps=kv_bytes / tr / 1e9,
+                       pct_copy_bw=100 * kv_bytes / tk / copy_bw)
+            del inp, out_k, out_r
+          except Exception as e:  # one config failing (e.g. compile) must not end the sweep
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc(file=sys.stderr)
+          emit(row)
+
+
+def bench_sampler(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
+  def xla_sample(hidden, unembed, seed, sids, pos, temperature):
+    logits = jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
+    cfg = sampling.SamplingConfig(temperature=temperature)
+    return sampling.sample(logits, seed, sids, pos, cfg)[:2]
+
+  item = jnp.dtype(dtype).itemsize
+  rng = np.random.default_rng(1)
+  d_models = sorted({MODELS[m][3] for m in args.models})
+  vocab = VOCAB
+  if args.quick:
+    d_models, vocab = [64], 1000
+  for d in d_models:
+    for r in args.rows:
+      for temp in args.temperatures:
+        row = dict(bench="fused_sampler", D=d, V=vocab, R=r, temperature=temp,
+                   dtype=jnp.dtype(dtype).name)
+        w_bytes = d * vocab * item
+        foot = w_bytes + 3 * 4 * r * vocab
+        if foot > args.mem_fraction * mem_limit:
+          row["skipped"] = f"footprint {foot / 2**30:.1f} GiB"
+          emit(row)
+          continue
+        try:
+          hidden = jnp.asarray(rng.standard_normal((r, d), np.float32), dtype)
+          unembed = jnp.asarray(rng.standard_normal((d, vocab), np.float32) * d ** -0.5, dtype)
+          sids = jnp.arange(r, dtype=jnp.int32)
+          pos = jnp.full((r,), 100, jnp.int32)
+          seed = jnp.uint32(1234)
+          kern = jax.jit(lambda *a, t=temp: fs.fused_sample(*a, temperature=t,
+                                                             interpret=interpret))
+          xla = jax.jit(lambda *a, t=temp: xla_sample(*a, t))
+          inp = (hidden, unembed, seed, sids, pos)
+          tok_k, lp_k = kern(*inp)
+          tok_x, lp_x = xla(*inp)
+          same = np.asarray(tok_k) == np.asarray(tok_x)
+          row["token_agreement"] = float(same.mean())  # bf16 near-ties may flip a few
+          row["max_logprob_diff_agreeing"] = float(
+              np.max(np.abs(np.asarray(lp_k) - np.asarray(lp_x))[same], initial=0.0))
+          tk = device_time(kern, *inp, **timing)
+          tx = device_time(xla, *inp, **timing)
+          row.update(kernel_us=tk * 1e6, xla_us=tx * 1e6, speedup=tx / tk,
+                     unembed_gbps=w_bytes / tk / 1e9, pct_copy_bw=100 * w_bytes / tk / copy_bw)
+          del hidden, unembed, inp
+        except Exception as e:
+          row["error"] = f"{type(e).__name__}: {e}"[:500]
+          traceback.print_exc(file=sys.stderr)
+        emit(row)
+
+
+def print_table(rows, meta):
+  cols = {
+      "tree_attention": ["model", "B", "L", "T", "kernel_us", "xla_us", "speedup", "kv_gbps",
+                         "pct_copy_bw", "max_abs_err"],
+      "fused_sampler": ["D", "V", "R", "temperature", "kernel_us", "xla_us", "speedup",
+                        "unembed_gbps", "pct_copy_bw", "token_agreement"],
+  }
+  fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+  try:
+    from rich.console import Console
+    from rich.table import Table
+  except ImportError:  # plain fallback
+    Console = None
+  for bench, names in cols.items():
+    sel = [r for r in rows if r["bench"] == bench]
+    if not sel:
+      continue
+    title = (f"{bench} on {meta['device']} ({meta['dtype']}); copy roofline "
+             f"{meta['copy_gbps']:.0f} GB/s")
+    cells = [[fmt(r[n]) if n in r else r.get("skipped") or r.get("error", "")[:40] if
+              n == "kernel_us" else "" for n in names] for r in sel]
+    if Console is not None:
+      table = Table(title=title)
+      for n in names:
+        table.add_column(n, justify="right")
+      for c in cells:
+        table.add_row(*c)
+      Console(width=200).print(table)
+    else:
+      print(title)
+      print(" | ".join(names))
+      for c in cells:
+        print(" | ".join(c))
+
+
+def main(argv=None):
+  args = parse_args(argv)
+  backend = jax.default_backend()
+  interpret = backend == "cpu"
+  if args.quick:
+    args.models, args.lengths, args.tree_sizes, args.batches = args.models[:1], [40], [1, 4], [1, 2]
+    args.rows, args.temperatures = [8], [0.0, 1.0]
+    args.reps, args.inner, args.warmup = 3, 1, 1
+    args.copy_mib = min(args.copy_mib, 16)
+  elif interpret:
+    print("warning: no GPU/TPU; running the kernels in interpret mode (slow, not a benchmark)",
+          file=sys.stderr)
+  dtype = jnp.dtype(args.dtype or ("float32" if backend == "cpu" else "bfloat16"))
+  timing = dict(warmup=args.warmup, reps=args.reps, inner=args.inner)
+  mem_limit = device_memory_bytes()
+  copy_bw = copy_roofline(args.copy_mib, dtype, timing)
+  meta = dict(device=str(jax.devices()[0].device_kind), backend=backend, jax=jax.__version__,
+              dtype=dtype.name, interpret=interpret, copy_gbps=copy_bw / 1e9,
+              mem_limit_gib=mem_limit / 2**30, timing=timing, quick=args.quick)
+  print(f"{meta['device']}: copy roofline {copy_bw / 1e9:.0f} GB/s", file=sys.stderr)
+  rows = []
+  args.out.parent.mkdir(parents=True, exist_ok=True)
+
+  def emit(row):
+    rows.append(row)
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+
+  if not args.skip_attention:
+    bench_attention(args, dtype, interpret, timing, copy_bw, mem_limit, emit)
+  if not args.skip_sampler:
+    bench_sampler(args, dtype, interpret, timing, copy_bw, mem_limit, emit)
+  args.out.write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+  print_table(rows, meta)
+  print(f"wrote {args.out}")
+  return rows
+
+
+if __name__ == "__main__":
+  main()

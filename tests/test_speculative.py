@@ -1,0 +1,164 @@
+"""Speculative engine == vanilla engine, token for token; verify forward == path forward; tau."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specroll_jax import heads as H
+from specroll_jax import models, rollout, sampling, tree, verify
+from specroll_jax.rollout import SamplingConfig, SpecConfig
+
+
+def _assert_same(ref, got):
+  np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+  np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def fitted_heads(trained_model, gsm8k_prompts):
+  """Heads fitted by self-distillation on greedy and T=0.7 rollouts of train-like prompts."""
+  config, params, _ = trained_model
+  cfg = SamplingConfig(temperature=0.0)
+  r = rollout.generate(config, params, gsm8k_prompts, sampling=cfg, max_new_tokens=96, seed=11,
+                       return_hidden=True, sample_ids=np.arange(1000, 1016))
+  heads = H.init(jax.random.key(0), config, 3)
+  heads, hist = H.fit_heads(config, params, heads, r.tokens, r.lengths, r.hidden, steps=200,
+                            progress=False)
+  assert hist[-1].mean() < hist[0].mean()
+  return heads
+
+
+@pytest.fixture(scope="module")
+def random_heads(trained_model):
+  return H.init(jax.random.key(5), trained_model[0], 3, scale=0.05)
+
+
+CASES = [  # (sampling, spec, which heads)
+    (SamplingConfig(temperature=0.0), SpecConfig(node_budget=64), "fitted"),
+    (SamplingConfig(temperature=0.7, top_p=0.95), SpecConfig(node_budget=32), "fitted"),
+    (SamplingConfig(temperature=1.0), SpecConfig(node_budget=64, max_nodes=40), "random"),
+    (SamplingConfig(temperature=1.0), SpecConfig(node_budget=0), "fitted"),
+    (SamplingConfig(temperature=0.7), SpecConfig(node_budget=16, topk=(2, 2, 2)), "random"),
+]
+
+
+@pytest.mark.parametrize("cfg,spec,which", CASES, ids=lambda x: str(x))
+def test_speculative_equals_vanilla(trained_model, gsm8k_prompts, fitted_heads, random_heads, cfg,
+                                    spec, which):
+  config, params, tok = trained_model
+  prompts = gsm8k_prompts[:8]
+  kw = dict(sampling=cfg, max_new_tokens=48, seed=2, sample_ids=np.arange(8) * 3 + 1,
+            eos_ids=tok.eos_ids)
+  ref = rollout.generate(config, params, prompts, **kw)
+  hd = fitted_heads if which == "fitted" else random_heads
+  got = rollout.generate(config, params, prompts, spec=spec, heads=hd, **kw)
+  _assert_same(ref, got)
+  st = got.stats
+  assert int(st.tokens) == int(np.asarray(ref.lengths).sum())
+  if spec.node_budget == 0:
+    assert st.tokens_per_forward == pytest.approx(1.0)
+    assert int(st.nodes_verified) == 0
+
+
+def test_eos_inside_tree_and_length_limit_mid_path(trained_model, gsm8k_prompts, fitted_heads):
+  """Greedy rollouts with fitted heads accept long paths; EOS ids and a length limit that fall
+  inside accepted paths must cut exactly where vanilla stops."""
+  config, params, _ = trained_model
+  prompts = gsm8k_prompts[:6]
+  cfg = SamplingConfig(temperature=0.0)
+  free = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=40, eos_ids=[])
+  toks = np.asarray(free.tokens)
+  eos = sorted({int(toks[0, 9]), int(toks[3, 17])})  # tokens that occur mid-response
+  for max_new in (40, 13):
+    kw = dict(sampling=cfg, max_new_tokens=max_new, eos_ids=eos)
+    ref = rollout.generate(config, params, prompts, **kw)
+    got = rollout.generate(config, params, prompts, spec=SpecConfig(node_budget=64), heads=fitted_heads,
+                           **kw)
+    _assert_same(ref, got)
+    assert got.stats.tokens_per_forward > 1.3  # paths were long enough to cross the cut points
+
+
+def test_compaction_over_buckets(trained_model, gsm8k_prompts, random_heads):
+  """Rows finishing at very different times move through several (rows, N) buckets."""
+  config, params, tok = trained_model
+  prompts = gsm8k_prompts[:16]
+  cfg = SamplingConfig(temperature=1.0)
+  sids = np.arange(16) + 40
+  ref = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=64, seed=9,
+                         sample_ids=sids, eos_ids=tok.eos_ids)
+  lens = np.asarray(ref.lengths)
+  assert lens.min() < 40 < lens.max() or lens.min() < lens.max()
+  spec = SpecConfig(node_budget=32, max_nodes=8, bucket_fractions=(1.0, 0.5, 0.25))
+  got = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=64, seed=9,
+                         sample_ids=sids, eos_ids=tok.eos_ids, spec=spec, heads=random_heads)
+  _assert_same(ref, got)
+  buckets = got.stats.bucket_times
+  assert [b[:2] for b in buckets] == spec.bucket_shapes(16)[: len(buckets)]
+  assert len(buckets) >= 2
+
+
+def test_tau_with_fitted_heads(trained_model, gsm8k_prompts, fitted_heads):
+  """Fitted heads give > 1.5 tokens per target forward on held-out prompts (greedy, fixed seed)."""
+  config, params, tok = trained_model
+  r = rollout.generate(config, params, gsm8k_prompts[8:16], sampling=SamplingConfig(temperature=0.0),
+                       max_new_tokens=64, eos_ids=tok.eos_ids, spec=SpecConfig(node_budget=64),
+                       heads=fitted_heads)
+  assert r.stats.tokens_per_forward > 1.5, r.stats.tokens_per_forward
+  acc = r.stats.head_acceptance
+  assert acc[0] > 0.5 and (np.diff(acc) <= 1e-9).all()  # deeper heads accept no more often
+
+
+def test_verify_logits_match_path_forward(trained_model, gsm8k_prompts, random_heads):
+  """The verify forward's target sample at every node == a full forward over prompt + path."""
+  config, params, _ = trained_model
+  prompts = gsm8k_prompts[:2]
+  batch = rollout.prepare_batch(config, prompts, max_new_tokens=8)
+  cache = models.init_cache(config, 2, batch.cache_length)
+  cache, logits, hidden = models.prefill(config, params, jnp.asarray(batch.tokens),
+                                         jnp.asarray(batch.lengths), cache)
+  cfg = SamplingConfig(temperature=1.0)
+  root, _, _ = sampling.sample(logits, 0, jnp.arange(2), jnp.asarray(batch.lengths), cfg)
+  head_lp = jax.nn.log_softmax(H.apply(config, params, random_heads, hidden), -1)
+  tr = tree.plan(root, head_lp, jnp.array([12, 7]), num_nodes=12, topk=(4, 3, 2))
+  positions = cache.lengths[:, None] + tr.depth
+  out = models.step(config, params, tr.tokens, positions, cache, tr.mask)
+  res = verify.verify(config, params, tr, cache, 0, jnp.arange(2), cfg, max_depth=3)
+  for b in range(2):
+    for n in range(13):
+      if not tr.valid[b, n]:
+        continue
+      path, node = [], n
+      while node >= 0:
+        path.append(int(tr.tokens[b, node]))
+        node = int(tr.parent[b, node])
+      seq = jnp.asarray(prompts[b] + path[::-1])[None]
+      full = models.forward(config, params, seq)[0, -1]
+      np.testing.assert_allclose(np.asarray(out.logits[b, n]), np.asarray(full), atol=1e-4)
+      pos = len(prompts[b]) + int(tr.depth[b, n]) + 1
+      t, _, _ = sampling.sample(full, 0, b, pos, cfg)
+      assert int(t) == int(res.target_tokens[b, n])
+
+
+def test_bad_spec_input(trained_model, random_heads):
+  config, params, _ = trained_model
+  with pytest.raises(ValueError, match="node_budget must be an int >= 0, got -1"):
+    SpecConfig(node_budget=-1)
+  with pytest.raises(ValueError, match=r"topk has 2 entries \(4, 3\), fewer than num_heads=3"):
+    SpecConfig(topk=(4, 3))
+  other = models.ModelConfig.tiny(vocab_size=config.vocab_size + 1,
+                                  hidden_size=config.hidden_size)
+  with pytest.raises(ValueError, match=f"vocab_size {config.vocab_size + 1} does not match"):
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, spec=SpecConfig(),
+                     heads=H.init(jax.random.key(0), other, 3))
+  wide = models.ModelConfig.tiny(vocab_size=config.vocab_size, hidden_size=32, head_dim=8)
+  with pytest.raises(ValueError, match=f"hidden size 32 does not match the model's hidden_size "
+                                       f"{config.hidden_size}"):
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, spec=SpecConfig(),
+                     heads=H.init(jax.random.key(0), wide, 3))
+  with pytest.raises(ValueError, match="heads has 3 heads but SpecConfig.num_heads is 2"):
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, heads=random_heads,
+                     spec=SpecConfig(num_heads=2, topk=(2, 2)))
+  with pytest.raises(ValueError, match="spec is set but heads is None"):
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, spec=SpecConfig())
