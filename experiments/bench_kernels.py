@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
+
 from pallas_kernels import fused_sampler as fs
 from pallas_kernels import tree_attention as ta
 from specroll_jax import sampling

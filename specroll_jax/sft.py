@@ -44,8 +44,8 @@ def training_text(ex: gsm8k.Example) -> tuple[str, str]:
 class SFTConfig:
   vocab_size: int = 2048
   seq_len: int = 288
-  batch_size: int = 16
-  steps: int = 600
+  batch_size: int = 32
+  steps: int | None = 600  # None: as many as fit in max_seconds (measured after compiling)
   learning_rate: float = 3e-3
   warmup: int = 30
   seed: int = 0
@@ -91,20 +91,19 @@ def train(config: models.ModelConfig, tok: Tokenizer, sft: SFTConfig, *, progres
   train_ex = gsm8k.load("train")[: sft.num_train]
   tokens, mask, dropped = encode_examples(tok, train_ex, sft.seq_len)
   params = models.init_params(jax.random.key(sft.seed), config)
-  sched = optax.warmup_cosine_decay_schedule(0.0, sft.learning_rate, sft.warmup, sft.steps,
+  rng = np.random.default_rng(sft.seed)
+  steps = sft.steps
+  if steps is None:  # size the cosine schedule to the time budget
+    if sft.max_seconds is None:
+      raise ValueError("SFTConfig.steps=None needs max_seconds (the training time budget)")
+    steps = max(sft.warmup + 1, int(sft.max_seconds / _seconds_per_step(config, tokens, mask, sft)))
+  sched = optax.warmup_cosine_decay_schedule(0.0, sft.learning_rate, sft.warmup, steps,
                                              sft.learning_rate * 0.05)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(sched, weight_decay=0.01))
   opt = tx.init(params)
-
-  @jax.jit
-  def update(params, opt, t, m):
-    loss, g = jax.value_and_grad(lambda p: lm_loss(config, p, t, m))(params)
-    upd, opt = tx.update(g, opt, params)
-    return optax.apply_updates(params, upd), opt, loss
-
-  rng = np.random.default_rng(sft.seed)
+  update = _update_fn(config, tx)
   losses, t0, steps_done = [], time.perf_counter(), 0
-  for _ in progress_range(sft.steps, "SFT on GSM8K", enabled=progress):
+  for _ in progress_range(steps, "SFT on GSM8K", enabled=progress):
     idx = rng.integers(0, len(tokens), sft.batch_size)
     params, opt, loss = update(params, opt, jnp.asarray(tokens[idx]), jnp.asarray(mask[idx]))
     losses.append(float(loss))
@@ -115,6 +114,30 @@ def train(config: models.ModelConfig, tok: Tokenizer, sft: SFTConfig, *, progres
              "steps": steps_done, "train_seconds": time.perf_counter() - t0,
              "final_train_loss": float(np.mean(losses[-20:])), "train_loss_curve": losses}
   return params, metrics
+
+
+def _update_fn(config, tx):
+  @jax.jit
+  def update(params, opt, t, m):
+    loss, g = jax.value_and_grad(lambda p: lm_loss(config, p, t, m))(params)
+    upd, opt = tx.update(g, opt, params)
+    return optax.apply_updates(params, upd), opt, loss
+  return update
+
+
+def _seconds_per_step(config, tokens, mask, sft: SFTConfig) -> float:
+  """Time one compiled training step (throwaway parameters and optimiser)."""
+  params = models.init_params(jax.random.key(0), config)
+  tx = optax.adamw(0.0)
+  opt = tx.init(params)
+  update = _update_fn(config, tx)
+  t, m = jnp.asarray(tokens[: sft.batch_size]), jnp.asarray(mask[: sft.batch_size])
+  jax.block_until_ready(update(params, opt, t, m))
+  t0 = time.perf_counter()
+  for _ in range(3):
+    params, opt, loss = update(params, opt, t, m)
+  jax.block_until_ready(loss)
+  return (time.perf_counter() - t0) / 3
 
 
 def test_loss(config, params, tok: Tokenizer, seq_len: int, n: int = 256) -> float:
@@ -178,10 +201,10 @@ def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
   return path
 
 
-def build_default_model(*, progress: bool = True, max_seconds: float = 300.0) -> Path:
+def build_default_model(*, progress: bool = True, max_seconds: float = 360.0) -> Path:
   """The embedded default model of ``experiments/gsm8k.py`` (cached after the first build)."""
-  sft = SFTConfig(max_seconds=max_seconds, steps=2000)
-  return build_model(default_cache_dir() / "gsm8k-tiny-qwen2-v1",
+  sft = SFTConfig(max_seconds=max_seconds, steps=None, learning_rate=5e-3)
+  return build_model(default_cache_dir() / "gsm8k-tiny-qwen2-v2",
                      models.ModelConfig.embedded_default, sft, progress=progress)
 
 

@@ -77,8 +77,8 @@ class ModelConfig:
   @classmethod
   def embedded_default(cls, vocab_size: int) -> ModelConfig:
     """The embedded default model of ``experiments/gsm8k.py``: trains in minutes on 2 CPU cores."""
-    return cls(vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_layers=4,
-               num_heads=4, num_kv_heads=2, head_dim=64, rope_theta=10000.0, qkv_bias=True,
+    return cls(vocab_size=vocab_size, hidden_size=192, intermediate_size=512, num_layers=4,
+               num_heads=3, num_kv_heads=1, head_dim=64, rope_theta=10000.0, qkv_bias=True,
                tie_word_embeddings=True, max_position_embeddings=2048)
 
   # --- Hugging Face config.json ---------------------------------------------------------------
