@@ -160,6 +160,38 @@ def head_accuracy(config: ModelConfig, params, heads: Heads, tokens, lengths, hi
   return hit.sum(0) / np.maximum(mask.sum(0), 1)
 
 
+def save(path, heads: Heads) -> None:
+  """Write heads to a safetensors file (atomically: temporary name, then rename)."""
+  import os
+  import tempfile
+
+  from safetensors.numpy import save_file
+  path = os.fspath(path)
+  tensors = {k: np.asarray(jnp.asarray(getattr(heads, k), jnp.float32)) for k in ("norm", "w", "b")}
+  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
+  os.close(fd)
+  try:
+    save_file(tensors, tmp, metadata={"vocab_size": str(heads.vocab_size),
+                                      "dtype": str(jnp.dtype(heads.w.dtype))})
+    os.replace(tmp, path)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
+
+
+def load(path) -> Heads:
+  """Read heads written by :func:`save`."""
+  from safetensors import safe_open
+  with safe_open(str(path), framework="numpy") as f:
+    meta = f.metadata() or {}
+    t = {k: f.get_tensor(k) for k in ("norm", "w", "b")}
+  if "vocab_size" not in meta:
+    raise ValueError(f"{path}: not a heads file (no vocab_size metadata)")
+  dt = jnp.dtype(meta.get("dtype", "float32"))
+  return Heads(norm=jnp.asarray(t["norm"], dt), w=jnp.asarray(t["w"], dt),
+               b=jnp.asarray(t["b"], dt), vocab_size=int(meta["vocab_size"]))
+
+
 __all__ = ["Heads", "apply", "fit_heads", "head_accuracy", "head_states", "head_weights", "init",
-           "loss_fn", "training_examples", "validate"]
+           "load", "loss_fn", "save", "training_examples", "validate"]
 

@@ -40,6 +40,7 @@ class RolloutStats:
   head_proposed: Int[Array, "K"]  # row-steps whose tree reached depth k (speculative only)
   head_accepted: Int[Array, "K"]  # row-steps whose accepted path reached depth k
   nodes_verified: Int[Array, ""]  # tree nodes (root excluded) verified in all row-steps
+  active_trace: Int[Array, "F"] | None = None  # active rows at each verify forward (speculative)
   bucket_times: tuple = flax.struct.field(pytree_node=False, default=())  # (rows, N, steps, s)
 
   @property
@@ -264,8 +265,9 @@ def _vanilla(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, samp
              cache_length, attn_impl, return_hidden):
   b = tokens.shape[0]
   cache = _dec.init_cache(config, b, cache_length)
-  cache, logits, hidden = _dec.prefill(config, params, tokens, lengths, cache, attn_impl=attn_impl)
-  tok, lp, nf = _sampling.sample(logits, seed, sample_ids, lengths, sampling)
+  cache, _, hidden = _dec.prefill(config, params, tokens, lengths, cache, attn_impl=attn_impl)
+  tok, lp, nf = _sampling.sample_from_hidden(config, params, hidden, seed, sample_ids, lengths,
+                                             sampling, impl=attn_impl)
   out_t = jnp.zeros((b, max_new), jnp.int32)
   out_lp = jnp.zeros((b, max_new), jnp.float32)
   out_h = jnp.zeros((b, max_new, config.hidden_size), hidden.dtype) if return_hidden else None
@@ -281,11 +283,12 @@ def _vanilla(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, samp
   def body(s: _VanillaState) -> _VanillaState:
     pos = s.cache.lengths  # position of s.last
     out = _dec.step(config, params, s.last[:, None], pos[:, None], s.cache,
-                    jnp.ones((b, 1, 1), bool), attn_impl=attn_impl)
+                    jnp.ones((b, 1, 1), bool), attn_impl=attn_impl, compute_logits=False)
     active = ~s.done
     cache = _dec.write_cache(s.cache, out.k_new, out.v_new, jnp.where(active, pos, -1)[:, None])
     cache = cache.replace(lengths=pos + active.astype(jnp.int32))
-    tok, lp, nf = _sampling.sample(out.logits[:, 0], seed, sample_ids, pos + 1, sampling)
+    tok, lp, nf = _sampling.sample_from_hidden(config, params, out.hidden[:, 0], seed, sample_ids,
+                                               pos + 1, sampling, impl=attn_impl)
     nf = nf & active
     keep, done = stop_mask(tok[:, None], s.n_out, eos_ids, max_new, (active & ~nf)[:, None])
     out_h = s.out_hidden

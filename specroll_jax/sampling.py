@@ -38,7 +38,11 @@ def mix32(x):
 
 def row_key(seed, sample_id, position):
   """uint32 key of one (seed, sample id, absolute position); broadcasts. Token ids are mixed in later."""
-  u32 = lambda a: jnp.asarray(a).astype(jnp.uint32)
+  def u32(a):  # Python ints up to 2**32 wrap like astype(uint32) does for int32 arrays
+    if isinstance(a, int):
+      return jnp.uint32(a & 0xFFFFFFFF)
+    return jnp.asarray(a).astype(jnp.uint32)
+
   h = mix32(u32(seed) ^ jnp.uint32(_SEED_SALT))
   h = mix32(h ^ u32(sample_id))
   h = mix32(h + jnp.uint32(0x632BE5AB) ^ u32(position))
@@ -157,3 +161,25 @@ def token_logprobs(logits: Float[Array, "*R V"], tokens: Int[Array, "*R"], cfg: 
   x = allowed_logits(logits, cfg)
   lse = jax.nn.logsumexp(x, axis=-1)
   return jnp.take_along_axis(x, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
+
+
+def sample_from_hidden(config, params, hidden, seed, sample_ids, positions, cfg: SamplingConfig, *,
+                       impl: str = "reference"):
+  """Sample from pre-norm hidden states [..., D] (final norm + unembedding + ``sample``).
+
+  impl "pallas" / "pallas_interpret": for plain sampling (no top-k/top-p) the fused Pallas kernel
+  computes the token and its logprob without writing [..., V] logits (``pallas_kernels.
+  fused_sampler``); a non-finite logprob flags the row. Otherwise the jnp path below.
+  """
+  from specroll_jax.models import decoder as _dec
+  if impl in ("pallas", "pallas_interpret") and cfg.plain:
+    from pallas_kernels.fused_sampler import fused_sample
+    lead = hidden.shape[:-1]
+    normed = _dec.final_norm(config, params, hidden).reshape(-1, hidden.shape[-1])
+    flat = lambda a: jnp.broadcast_to(jnp.asarray(a), lead).reshape(-1).astype(jnp.int32)
+    tok, lp = fused_sample(normed, _dec.unembedding(config, params).astype(normed.dtype), seed,
+                           flat(sample_ids), flat(positions), temperature=float(cfg.temperature),
+                           interpret=impl == "pallas_interpret")
+    return tok.reshape(lead), lp.reshape(lead), ~jnp.isfinite(lp.reshape(lead))
+  logits = _dec.logits_from_hidden(config, params, hidden)
+  return sample(logits, seed, sample_ids, positions, cfg)

@@ -173,32 +173,44 @@ def default_cache_dir() -> Path:
 
 def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
                 eval_examples: int = 64) -> Path:
-  """Build (tokenizer + SFT model + metrics.json) into ``path`` unless it is already complete.
-  The folder appears atomically (built in a temporary sibling, then renamed)."""
+  """Build (tokenizer + SFT model + metrics.json) into ``path`` unless it is already there.
+
+  The trained model appears atomically (written in a temporary sibling, then renamed) before the
+  accuracy evaluation, which is added to metrics.json afterwards (and redone if it is missing).
+  """
   path = Path(path)
-  if (path / "metrics.json").exists():
-    return path
-  path.parent.mkdir(parents=True, exist_ok=True)
-  tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
-  try:
-    texts = [q + a for q, a in (training_text(e) for e in gsm8k.load("train"))]
-    tok = train_bpe(texts, vocab_size=sft.vocab_size)
-    config = config_fn(tok.vocab_size).replace(eos_token_ids=tok.eos_ids)
-    params, metrics = train(config, tok, sft, progress=progress)
-    models.save_pretrained(tmp, config, params)
-    tok.save(tmp)
-    metrics["test_loss"] = test_loss(config, params, tok, sft.seq_len)
-    if eval_examples:
-      metrics.update(evaluate_accuracy(config, params, tok, n=eval_examples))
-    metrics["sft_config"] = dataclasses.asdict(sft)
-    (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
-    if path.exists():
-      shutil.rmtree(path)
-    os.replace(tmp, path)
-  finally:
-    if tmp.exists():
-      shutil.rmtree(tmp, ignore_errors=True)
+  if not (path / "metrics.json").exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}."))
+    try:
+      texts = [q + a for q, a in (training_text(e) for e in gsm8k.load("train"))]
+      tok = train_bpe(texts, vocab_size=sft.vocab_size)
+      config = config_fn(tok.vocab_size).replace(eos_token_ids=tok.eos_ids)
+      params, metrics = train(config, tok, sft, progress=progress)
+      models.save_pretrained(tmp, config, params)
+      tok.save(tmp)
+      metrics["test_loss"] = test_loss(config, params, tok, sft.seq_len)
+      metrics["sft_config"] = dataclasses.asdict(sft)
+      (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
+      if path.exists():
+        shutil.rmtree(path)
+      os.replace(tmp, path)
+    finally:
+      if tmp.exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+  metrics = json.loads((path / "metrics.json").read_text())
+  if eval_examples and "accuracy_strict" not in metrics:
+    config, params = models.load_pretrained(path)
+    metrics.update(evaluate_accuracy(config, params, Tokenizer.from_pretrained(path),
+                                     n=eval_examples))
+    _write_json_atomic(path / "metrics.json", metrics)
   return path
+
+
+def _write_json_atomic(file: Path, obj) -> None:
+  tmp = file.with_suffix(".json.tmp")
+  tmp.write_text(json.dumps(obj, indent=2))
+  os.replace(tmp, file)
 
 
 def build_default_model(*, progress: bool = True, max_seconds: float = 360.0) -> Path:

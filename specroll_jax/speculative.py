@@ -51,6 +51,7 @@ class SpecState:
   head_proposed: Int[Array, "K"]
   head_accepted: Int[Array, "K"]
   nodes_verified: Int[Array, ""]
+  active_trace: Int[Array, "F"]  # active rows at forward f (f < max_new + 1)
 
 
 def _scatter_rows(out, rows, slots, values):
@@ -66,8 +67,9 @@ def _prefill(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, samp
   from specroll_jax.rollout import stop_mask
   b = tokens.shape[0]
   cache = _dec.init_cache(config, b, cache_length)
-  cache, logits, hidden = _dec.prefill(config, params, tokens, lengths, cache, attn_impl=attn_impl)
-  tok, lp, nf = _sampling.sample(logits, seed, sample_ids, lengths, sampling)
+  cache, _, hidden = _dec.prefill(config, params, tokens, lengths, cache, attn_impl=attn_impl)
+  tok, lp, nf = _sampling.sample_from_hidden(config, params, hidden, seed, sample_ids, lengths,
+                                             sampling, impl=attn_impl)
   n_out = jnp.zeros((b,), jnp.int32)
   keep, done = stop_mask(tok[:, None], n_out, eos_ids, max_new, ~nf[:, None])
   slots = jnp.where(keep, 0, max_new)
@@ -83,7 +85,8 @@ def _prefill(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, samp
                    sample_ids=sample_ids, n_out=n_out, done=done | nf, proposer=(),
                    out_tokens=out_t, out_logprobs=out_lp, out_hidden=out_h, lengths=n_out,
                    nonfinite=nf, forwards=jnp.int32(0), row_forwards=jnp.int32(b),
-                   head_proposed=zk, head_accepted=zk, nodes_verified=jnp.int32(0))
+                   head_proposed=zk, head_accepted=zk, nodes_verified=jnp.int32(0),
+                   active_trace=jnp.zeros((max_new + 1,), jnp.int32))
 
 
 def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, max_new, num_nodes,
@@ -130,6 +133,7 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
       h=jnp.where(active[:, None], new_h, s.h), n_out=n_out, done=new_done,
       out_tokens=out_t, out_logprobs=out_lp, out_hidden=out_h, lengths=lengths,
       nonfinite=nonfinite, forwards=s.forwards + 1, row_forwards=s.row_forwards + active.sum(),
+      active_trace=s.active_trace.at[s.forwards].add(active.sum().astype(jnp.int32), mode="drop"),
       head_proposed=s.head_proposed + (tree_depth[:, None] >= ks).sum(0).astype(jnp.int32),
       head_accepted=s.head_accepted + (depth_reached[:, None] >= ks).sum(0).astype(jnp.int32),
       nodes_verified=s.nodes_verified + (tr.valid.sum(1) - 1).sum().astype(jnp.int32))
@@ -194,5 +198,7 @@ def generate(config, params, heads, batch, *, sampling, spec, max_new, seed, att
   stats = RolloutStats(target_forwards=s.forwards, row_forwards=s.row_forwards,
                        tokens=s.lengths.sum(), nonfinite=s.nonfinite,
                        head_proposed=s.head_proposed, head_accepted=s.head_accepted,
-                       nodes_verified=s.nodes_verified, bucket_times=tuple(times))
+                       nodes_verified=s.nodes_verified,
+                       active_trace=s.active_trace[: max(int(s.forwards), 1)],
+                       bucket_times=tuple(times))
   return s.out_tokens, s.out_logprobs, s.out_hidden, s.lengths, stats

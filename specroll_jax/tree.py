@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-_TRUNK_BONUS = 1e9
+_TRUNK_BONUS = 1e6  # f32 spacing 0.0625 here: trunk keys stay distinct per depth
 _MIN_STEP = 1e-3  # every edge lowers the score by at least this (strict parent > child order)
 
 

@@ -37,8 +37,11 @@ def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: In
            attn_impl: str = "reference") -> VerifyResult:
   """Run the verify forward for ``tree`` over ``cache`` (not modified) and accept exactly."""
   positions = cache.lengths[:, None] + tree.depth
-  out = _dec.step(config, params, tree.tokens, positions, cache, tree.mask, attn_impl=attn_impl)
-  tgt, lp, nf = _sampling.sample(out.logits, seed, sample_ids[:, None], positions + 1, sampling)
+  out = _dec.step(config, params, tree.tokens, positions, cache, tree.mask, attn_impl=attn_impl,
+                  compute_logits=False)
+  tgt, lp, nf = _sampling.sample_from_hidden(config, params, out.hidden, seed,
+                                             sample_ids[:, None], positions + 1, sampling,
+                                             impl=attn_impl)
   acc, path, path_len = accept(tree, tgt, max_depth)
   take = lambda x: jnp.take_along_axis(x, path, axis=1)
   hidden = jnp.take_along_axis(out.hidden, path[:, :, None], axis=1)

@@ -231,3 +231,25 @@ class TestFusedSampler:
     with pytest.raises(ValueError, match=match):
       fs.fused_sample(hidden, unembed, 0, sids, pos, temperature=change.get("temperature", 1.0),
                       block_sizes=bs, backend=change.get("backend", "triton"), interpret=False)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_with_kernels_equals_references(random_model, temperature):
+  """Speculative (and vanilla) rollouts with the Pallas kernels forced on (interpret mode) give the
+  same tokens as with the jnp references."""
+  import jax
+
+  from specroll_jax import heads as H
+  from specroll_jax import rollout
+
+  config, params = random_model
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3]]
+  hd = H.init(jax.random.key(1), config, 3, scale=0.05)
+  cfg = rollout.SamplingConfig(temperature=temperature)
+  spec = rollout.SpecConfig(node_budget=16, bucket_fractions=(1.0,))
+  kw = dict(sampling=cfg, max_new_tokens=8, seed=3, eos_ids=[])
+  ref = rollout.generate(config, params, prompts, kernels="reference", **kw)
+  for spec_kw in ({}, {"spec": spec, "heads": hd}):
+    got = rollout.generate(config, params, prompts, kernels="pallas_interpret", **spec_kw, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)

@@ -41,7 +41,7 @@ class KVCache:
 
 @flax.struct.dataclass
 class StepOutput:
-  logits: Float[Array, "B T V"]  # float32
+  logits: Float[Array, "B T V"] | None  # float32 (None when the step was asked for none)
   hidden: Float[Array, "B T D"]  # last layer output before the final norm
   k_new: Float[Array, "Ly B T Hkv Dh"]
   v_new: Float[Array, "Ly B T Hkv Dh"]
@@ -143,14 +143,12 @@ class Decoder(nn.Module):
                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
     x, (k_new, v_new) = layers(c, self.attention_fn, name="layers")(
         x, (cache_k, cache_v), positions, cache_lengths, mask)
-    hidden = x
-    normed = RMSNorm(c.rms_norm_eps, dt, name="final_norm")(x)
-    if c.tie_word_embeddings:
-      logits = embed.attend(normed)
-    else:
-      logits = nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=dt,
-                        kernel_init=nn.initializers.normal(0.02), name="lm_head")(normed)
-    return logits.astype(jnp.float32), hidden, k_new, v_new
+    if self.is_initializing():  # register the output parameters; logits come from
+      RMSNorm(c.rms_norm_eps, dt, name="final_norm")(x)  # ``logits_from_hidden`` (one code path)
+      if not c.tie_word_embeddings:
+        nn.Dense(c.vocab_size, use_bias=False, dtype=dt, param_dtype=dt,
+                 kernel_init=nn.initializers.normal(0.02), name="lm_head")(x)
+    return x, k_new, v_new
 
 
 def _attention(impl: str):
@@ -171,10 +169,12 @@ def init_params(key, config: ModelConfig):
 
 def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
          cache: KVCache | None = None, mask: Bool[Array, "B T T"] | None = None, *,
-         attn_impl: str = "auto") -> StepOutput:
+         attn_impl: str = "auto", compute_logits: bool = True) -> StepOutput:
   """Run the decoder on ``tokens`` at absolute ``positions`` over the valid prefix of ``cache``.
 
   mask: which new tokens each new token may attend (default causal). The cache is not modified.
+  compute_logits: False skips the unembedding (callers that sample from ``hidden`` with the fused
+  sampler never materialise [B, T, V]).
   """
   b, t = tokens.shape
   if mask is None:
@@ -183,8 +183,9 @@ def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[
     ck = jnp.zeros((config.num_layers, b, 0, config.num_kv_heads, config.head_dim),
                    config.jnp_dtype)
     cache = KVCache(k=ck, v=ck, lengths=jnp.zeros((b,), jnp.int32))
-  logits, hidden, k_new, v_new = Decoder(config, _attention(attn_impl)).apply(
+  hidden, k_new, v_new = Decoder(config, _attention(attn_impl)).apply(
       {"params": params}, tokens, positions, cache.k, cache.v, cache.lengths, mask)
+  logits = logits_from_hidden(config, params, hidden) if compute_logits else None
   return StepOutput(logits=logits, hidden=hidden, k_new=k_new, v_new=v_new)
 
 
@@ -221,13 +222,11 @@ def prefill(config: ModelConfig, params, tokens: Int[Array, "B T"], lengths: Int
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   valid = pos < lengths[:, None]
   mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
-  out = step(config, params, tokens, pos, None, mask, attn_impl=attn_impl)
+  out = step(config, params, tokens, pos, None, mask, attn_impl=attn_impl, compute_logits=False)
   cache = write_cache(cache, out.k_new, out.v_new, jnp.where(valid, pos, -1))
   cache = cache.replace(lengths=lengths.astype(jnp.int32))
-  last = (lengths - 1)[:, None, None]
-  logits = jnp.take_along_axis(out.logits, last, axis=1)[:, 0]
-  hidden = jnp.take_along_axis(out.hidden, last, axis=1)[:, 0]
-  return cache, logits, hidden
+  hidden = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]
+  return cache, logits_from_hidden(config, params, hidden), hidden
 
 
 def unembedding(config: ModelConfig, params) -> Float[Array, "D V"]:

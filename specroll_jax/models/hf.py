@@ -11,10 +11,11 @@ import os
 import tempfile
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
-from safetensors.flax import save_file
+from safetensors.numpy import save_file
 
 from specroll_jax.models.config import ModelConfig
 
@@ -56,7 +57,7 @@ def _tensor_files(path: Path) -> dict[str, Path]:
   single = path / "model.safetensors"
   index = path / "model.safetensors.index.json"
   if single.exists():
-    with safe_open(str(single), framework="flax") as f:
+    with safe_open(str(single), framework="numpy") as f:
       return {k: single for k in f.keys()}
   if index.exists():
     try:
@@ -102,17 +103,18 @@ def load_pretrained(path) -> tuple[ModelConfig, dict]:
       raise ValueError(f"{path}: tensor {name!r} missing (expected shape {expected})")
     fp = files[name]
     if fp not in handles:
-      handles[fp] = safe_open(str(fp), framework="flax").__enter__()
-    arr = handles[fp].get_tensor(name)
+      handles[fp] = safe_open(str(fp), framework="numpy").__enter__()
+    arr = handles[fp].get_tensor(name)  # numpy (bfloat16 via ml_dtypes): layout work stays on host
     if tuple(arr.shape) != tuple(expected):
       raise ValueError(
           f"{fp}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(expected)}")
-    return jnp.asarray(arr, dtype)
+    return np.asarray(arr).astype(dtype)
 
   try:
     v, d = config.vocab_size, config.hidden_size
     params: dict = {"embed": {"embedding": get("model.embed_tokens.weight", (v, d))},
                     "final_norm": {"scale": get("model.norm.weight", (d,))}}
+    params = {k: {kk: jnp.asarray(vv) for kk, vv in v.items()} for k, v in params.items()}
     layers: dict = {}
     shapes = _layer_shapes(config)
     for (mod, leaf, suffix, transpose) in _LAYER_MAP:
@@ -122,10 +124,10 @@ def load_pretrained(path) -> tuple[ModelConfig, dict]:
       for i in range(config.num_layers):
         t = get(_LAYER.format(i=i) + suffix, shapes[(mod, leaf)])
         per_layer.append(t.T if transpose else t)
-      layers.setdefault(mod, {})[leaf] = jnp.stack(per_layer)
+      layers.setdefault(mod, {})[leaf] = jnp.asarray(np.stack(per_layer))
     params["layers"] = layers
     if not config.tie_word_embeddings:
-      params["lm_head"] = {"kernel": get("lm_head.weight", (v, d)).T}
+      params["lm_head"] = {"kernel": jnp.asarray(get("lm_head.weight", (v, d)).T)}
   finally:
     for h in handles.values():
       h.__exit__(None, None, None)
@@ -137,6 +139,7 @@ def save_pretrained(path, config: ModelConfig, params) -> None:
   atomically (written to a temporary name, then renamed)."""
   path = Path(path)
   path.mkdir(parents=True, exist_ok=True)
+  params = jax.tree.map(np.asarray, params)  # layout work on host (no per-shape compiles)
   tensors = {"model.embed_tokens.weight": params["embed"]["embedding"],
              "model.norm.weight": params["final_norm"]["scale"]}
   layers = params["layers"]
@@ -149,7 +152,7 @@ def save_pretrained(path, config: ModelConfig, params) -> None:
       tensors[_LAYER.format(i=i) + suffix] = t.T if transpose else t
   if not config.tie_word_embeddings:
     tensors["lm_head.weight"] = params["lm_head"]["kernel"].T
-  tensors = {k: jnp.asarray(np.asarray(t)).astype(config.jnp_dtype) for k, t in tensors.items()}
+  tensors = {k: np.ascontiguousarray(t.astype(config.jnp_dtype)) for k, t in tensors.items()}
   _atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp,
                                                                   metadata={"format": "pt"}))
   _atomic_write(path / "config.json",

@@ -1,0 +1,71 @@
+"""Glue the experiments share: load a model, GSM8K prompts in GRPO shape, heads fitted on the
+target's own rollouts (cached beside the model)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from specroll_jax import heads as _heads
+from specroll_jax import models, rollout, sft
+from specroll_jax.data import gsm8k
+from specroll_jax.models.tokenizer import Tokenizer
+
+
+def load_model(path=None, *, progress: bool = True):
+  """(config, params, tokenizer, path) of a local HF folder, or of the embedded default model
+  (built once, about 6 minutes on 2 CPU cores, then cached)."""
+  if path is None:
+    path = sft.build_default_model(progress=progress)
+  path = Path(path)
+  config, params = models.load_pretrained(path)
+  return config, params, Tokenizer.from_pretrained(path), path
+
+
+def prompts(tok: Tokenizer, split: str, n: int, offset: int = 0):
+  """(token-id prompts, golds) of ``n`` GSM8K examples starting at ``offset``."""
+  exs = gsm8k.load(split)[offset:offset + n]
+  if len(exs) < n:
+    raise ValueError(f"GSM8K {split} has {len(gsm8k.load(split))} examples; asked for "
+                     f"{n} from offset {offset}")
+  return [tok.encode(gsm8k.format_prompt(e.question)) for e in exs], [e.gold for e in exs]
+
+
+def grpo_batch(prompt_ids, group_size: int, first_prompt_index: int = 0):
+  """Repeat each prompt G times; sample id = global prompt index * G + member (DESIGN.md)."""
+  if group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}")
+  rep = [p for p in prompt_ids for _ in range(group_size)]
+  sids = (first_prompt_index * group_size + np.arange(len(rep))).astype(np.int32)
+  return rep, sids
+
+
+def fitted_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int = 3,
+                 num_prompts: int = 128, max_new_tokens: int = 256, temperature: float = 1.0,
+                 steps: int = 600, seed: int = 1234, progress: bool = True, cache: bool = True):
+  """Heads fitted by self-distillation on the target's own rollouts of GSM8K *train* prompts
+  (vanilla, ``return_hidden``); cached as ``heads-<hash>.safetensors`` in the model folder."""
+  key = json.dumps([num_heads, num_prompts, max_new_tokens, temperature, steps, seed])
+  file = Path(model_path) / f"heads-{hashlib.sha1(key.encode()).hexdigest()[:10]}.safetensors"
+  if cache and file.exists():
+    return _heads.load(file)
+  ids, _ = prompts(tok, "train", num_prompts)
+  cfg = rollout.SamplingConfig(temperature=temperature)
+  toks, lens, hid = [], [], []
+  for i in range(0, num_prompts, 32):
+    r = rollout.generate(config, params, ids[i:i + 32], sampling=cfg, max_new_tokens=max_new_tokens,
+                         seed=seed, sample_ids=np.arange(i, min(i + 32, num_prompts)),
+                         eos_ids=tok.eos_ids, return_hidden=True)
+    toks.append(np.asarray(r.tokens))
+    lens.append(np.asarray(r.lengths))
+    hid.append(np.asarray(r.hidden))
+  hd = _heads.init(jax.random.key(seed), config, num_heads)
+  hd, _ = _heads.fit_heads(config, params, hd, np.concatenate(toks), np.concatenate(lens),
+                           np.concatenate(hid), steps=steps, progress=progress)
+  if cache:
+    _heads.save(file, hd)
+  return hd
