@@ -52,7 +52,8 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true", help="2 prompts x 4, 48 tokens, one budget")
   a = ap.parse_args(argv)
   if a.quick:
-    a.prompts, a.group, a.max_new_tokens, a.budgets, a.repeats, a.heads_steps = 2, 4, 48, [32], 1, 50
+    a.prompts, a.group, a.max_new_tokens, a.budgets = 2, 4, 48, [32]
+    a.repeats, a.heads_steps = 1, 50
 
   config, params, tok, path = pipeline.load_model(a.model)
   heads = pipeline.fitted_heads(config, params, tok, path, steps=a.heads_steps,

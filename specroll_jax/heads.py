@@ -1,7 +1,7 @@
 """Future-token heads (Medusa-style), pure functions over a typed params pytree.
 
-Head k (k = 1..K) reads the target's last pre-norm hidden state h at an anchor position a and predicts
-the token at a + k + 1 (the target's own unembedding predicts a + 1):
+Head k (k = 1..K) reads the target's last pre-norm hidden state h at an anchor position a and
+predicts the token at a + k + 1 (the target's own unembedding predicts a + 1):
 
     z_k = h + SiLU(RMSNorm_k(h) W_k + b_k)      (W_k, b_k zero-initialised: z_k = h at init)
     logits_k = Unembed(FinalNorm(z_k))           (the target's final norm and unembedding, frozen)
@@ -68,7 +68,8 @@ def validate(config: ModelConfig, heads: Heads, num_heads: int | None = None) ->
         f"heads has {heads.num_heads} heads but SpecConfig.num_heads is {num_heads}")
 
 
-def head_states(config: ModelConfig, heads: Heads, h: Float[Array, "... D"]) -> Float[Array, "... K D"]:
+def head_states(config: ModelConfig, heads: Heads,
+                h: Float[Array, "... D"]) -> Float[Array, "... K D"]:
   """z_k = h + SiLU(RMSNorm_k(h) W_k + b_k) for every head: [..., K, D]."""
   x = h[..., None, :]  # [..., 1, D]
   n = _dec.rms_norm(jnp.broadcast_to(x, h.shape[:-1] + heads.norm.shape), heads.norm,
@@ -77,7 +78,8 @@ def head_states(config: ModelConfig, heads: Heads, h: Float[Array, "... D"]) -> 
   return x + jax.nn.silu(upd)
 
 
-def apply(config: ModelConfig, params, heads: Heads, h: Float[Array, "... D"]) -> Float[Array, "... K V"]:
+def apply(config: ModelConfig, params, heads: Heads,
+          h: Float[Array, "... D"]) -> Float[Array, "... K V"]:
   """Logits (f32) of every head from pre-norm hidden states h: [..., K, V]."""
   return _dec.logits_from_hidden(config, params, head_states(config, heads, h))
 
@@ -127,7 +129,8 @@ def fit_heads(config: ModelConfig, params, heads: Heads, tokens, lengths, hidden
   """
   validate(config, heads)
   if steps <= 0 or batch_size <= 0:
-    raise ValueError(f"steps and batch_size must be > 0, got steps={steps}, batch_size={batch_size}")
+    raise ValueError(
+        f"steps and batch_size must be > 0, got steps={steps}, batch_size={batch_size}")
   h, labels, mask = training_examples(tokens, lengths, hidden, heads.num_heads)
   if len(h) == 0:
     raise ValueError("fit_heads: the rollouts hold no anchor with a label (all lengths <= 1)")

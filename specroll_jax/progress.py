@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-    TimeRemainingColumn
+from rich.progress import (
+  BarColumn,
+  MofNCompleteColumn,
+  Progress,
+  TextColumn,
+  TimeElapsedColumn,
+  TimeRemainingColumn,
+)
 
 
 def make_progress(enabled: bool = True) -> Progress:

@@ -2,8 +2,10 @@
 
 ``generate(config, params, prompts, sampling=..., max_new_tokens=..., seed=...)`` runs the vanilla
 engine: batched prefill, then the whole decode in one jitted ``lax.while_loop``. With
-``spec=SpecConfig(...)`` and ``heads=...`` it runs the speculative engine (``speculative.py``), which
-returns the same tokens: both sample position t of response ``sample_id`` with the counter-based noise
+``spec=SpecConfig(...)`` and ``heads=...`` it runs the speculative engine (``speculative.py``),
+which
+returns the same tokens: both sample position t of response ``sample_id`` with the counter-based
+noise
 u(seed, sample_id, t, v) (``sampling.py``), so the speculative rollout is the target's own sample.
 """
 
@@ -36,11 +38,11 @@ class RolloutStats:
   target_forwards: Int[Array, ""]  # decode / verify forwards after prefill (batch steps)
   row_forwards: Int[Array, ""]  # sum over those forwards of rows still active
   tokens: Int[Array, ""]  # committed response tokens in all rows
-  nonfinite: Bool[Array, "B"]  # row stopped because its logits held NaN/inf
-  head_proposed: Int[Array, "K"]  # row-steps whose tree reached depth k (speculative only)
-  head_accepted: Int[Array, "K"]  # row-steps whose accepted path reached depth k
+  nonfinite: Bool[Array, " B"]  # row stopped because its logits held NaN/inf
+  head_proposed: Int[Array, " K"]  # row-steps whose tree reached depth k (speculative only)
+  head_accepted: Int[Array, " K"]  # row-steps whose accepted path reached depth k
   nodes_verified: Int[Array, ""]  # tree nodes (root excluded) verified in all row-steps
-  active_trace: Int[Array, "F"] | None = None  # active rows at each verify forward (speculative)
+  active_trace: Int[Array, " F"] | None = None  # active rows at each verify forward (speculative)
   bucket_times: tuple = flax.struct.field(pytree_node=False, default=())  # (rows, N, steps, s)
 
   @property
@@ -57,8 +59,8 @@ class RolloutStats:
 @flax.struct.dataclass
 class Rollout:
   tokens: Int[Array, "B M"]  # response tokens; pad_id after each row's end
-  lengths: Int[Array, "B"]  # response length (an EOS, when sampled, is included)
-  logprobs: Float[Array, "B M"]  # logprob of each token under the sampling distribution; 0 after end
+  lengths: Int[Array, " B"]  # response length (an EOS, when sampled, is included)
+  logprobs: Float[Array, "B M"]  # logprob of each token under the sampling distribution, 0 after
   stats: RolloutStats
   hidden: Float[Array, "B M D"] | None = None  # pre-norm hidden at the anchor before token j
 
@@ -67,7 +69,8 @@ class Rollout:
 class SpecConfig:
   """Speculative decoding settings (DESIGN.md, "One speculative step" and the concurrency budget).
 
-  node_budget: global number of tree nodes (root excluded) per verify forward, shared by active rows.
+  node_budget: global number of tree nodes (root excluded) per verify forward, shared by active
+  rows.
   max_nodes: per-row cap N_max. Per-row N = min(max_nodes, node_budget // rows in the bucket).
   topk: candidates per depth (one entry per head, len == num_heads).
   bucket_rows: row counts of the compiled buckets as fractions of the batch, descending (1.0 first);
@@ -169,7 +172,8 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
       raise ValueError("prompt_lengths is only for a padded prompt array, got a list of prompts")
     rows = [list(p) for p in prompts]
   else:
-    raise ValueError(f"prompts must be a list of token-id lists or a 2-D array, got {type(prompts)}")
+    raise ValueError(
+        f"prompts must be a list of token-id lists or a 2-D array, got {type(prompts)}")
   if not rows:
     raise ValueError("prompts is empty (batch of 0 prompts)")
   for i, r in enumerate(rows):
@@ -225,13 +229,13 @@ def _check_seed(seed):
 @flax.struct.dataclass
 class _VanillaState:
   cache: _dec.KVCache
-  last: Int[Array, "B"]  # last emitted token (fed to the next step)
+  last: Int[Array, " B"]  # last emitted token (fed to the next step)
   out_tokens: Int[Array, "B M"]
   out_logprobs: Float[Array, "B M"]
   out_hidden: Float[Array, "B M D"] | None
-  n_out: Int[Array, "B"]
-  done: Bool[Array, "B"]
-  nonfinite: Bool[Array, "B"]
+  n_out: Int[Array, " B"]
+  done: Bool[Array, " B"]
+  nonfinite: Bool[Array, " B"]
   forwards: Int[Array, ""]
   row_forwards: Int[Array, ""]
 
@@ -313,7 +317,10 @@ def _finish(out_tokens, out_logprobs, n_out, pad_id):
   return jnp.where(live, out_tokens, pad_id), jnp.where(live, out_logprobs, 0.0)
 
 
-def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig = SamplingConfig(),
+_DEFAULT_SAMPLING = SamplingConfig()
+
+
+def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig = _DEFAULT_SAMPLING,
              max_new_tokens: int, seed: int = 0, sample_ids=None, eos_ids=None,
              prompt_lengths=None, cache_length: int | None = None, pad_id: int = 0,
              spec: SpecConfig | None = None, heads=None, kernels: str = "auto",
@@ -321,7 +328,8 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   """Sample one response per prompt from the target.
 
   prompts: a list of token-id lists (ragged) or a padded [B, P] array with ``prompt_lengths``.
-  sample_ids: global response ids (default 0..B-1); the noise of a token depends on (seed, sample id,
+  sample_ids: global response ids (default 0..B-1); the noise of a token depends on (seed, sample
+  id,
     position, token) only, so a response does not depend on its batch slot or batch mates.
   eos_ids: ids that end a response (default: the config's); the EOS itself is part of the response.
   spec, heads: run the speculative engine with these future-token heads (same tokens as vanilla).

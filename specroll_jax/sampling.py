@@ -4,9 +4,12 @@ The central invariant (DESIGN.md): the token at absolute position ``t`` of respo
 
     x_t = argmax_v ( logits_{t-1}[v] / T + Gumbel(u(seed, sample_id, t, v)) )   over allowed v
 
-where ``u`` is a pure function of its four integer arguments, computed by a uint32 integer hash that a
-Pallas kernel reproduces bit for bit (see ``pallas_kernels/fused_sampler.py``). No ``jax.random`` array
-of shape [B, V] is ever drawn, so the noise a token sees does not depend on the batch it sits in, on the
+where ``u`` is a pure function of its four integer arguments, computed by a uint32 integer hash that
+a
+Pallas kernel reproduces bit for bit (see ``pallas_kernels/fused_sampler.py``). No ``jax.random``
+array
+of shape [B, V] is ever drawn, so the noise a token sees does not depend on the batch it sits in, on
+the
 tree that proposed it, or on the engine that verified it.
 
 Hash: the "lowbias32" integer finaliser (C. Wellons, hash-prospector) chained over the four words.
@@ -37,7 +40,7 @@ def mix32(x):
 
 
 def row_key(seed, sample_id, position):
-  """uint32 key of one (seed, sample id, absolute position); broadcasts. Token ids are mixed in later."""
+  """uint32 key of one (seed, sample id, absolute position); broadcasts. Token ids mix in later."""
   def u32(a):  # Python ints up to 2**32 wrap like astype(uint32) does for int32 arrays
     if isinstance(a, int):
       return jnp.uint32(a & 0xFFFFFFFF)
@@ -51,7 +54,8 @@ def row_key(seed, sample_id, position):
 
 def token_bits(key, token_ids):
   """uint32 noise bits for ``token_ids`` under row key ``key`` (broadcasts)."""
-  return mix32(key ^ (token_ids.astype(jnp.uint32) * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)))
+  t = token_ids.astype(jnp.uint32)
+  return mix32(key ^ (t * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)))
 
 
 def uniform_from_bits(bits):
@@ -67,7 +71,7 @@ def gumbel_from_bits(bits):
 
 
 def gumbel_noise(seed, sample_id, position, vocab_size: int) -> Float[Array, "*R V"]:
-  """Gumbel noise for every token id of the vocab: [..., V] for broadcast (seed, sample_id, position)."""
+  """Gumbel noise for every token id: [..., V] for broadcast (seed, sample_id, position)."""
   key = row_key(seed, sample_id, position)[..., None]
   return gumbel_from_bits(token_bits(key, jnp.arange(vocab_size, dtype=jnp.uint32)))
 
@@ -78,7 +82,8 @@ class SamplingConfig:
 
   temperature: 0 is greedy argmax; > 0 samples softmax(logits / temperature).
   top_k: 0 means no top-k restriction; else keep the k largest logits.
-  top_p: nucleus mass in (0, 1]; 1.0 means no restriction. Applied after top-k, as transformers does.
+  top_p: nucleus mass in (0, 1]; 1.0 means no restriction. Applied after top-k, as transformers
+  does.
   """
 
   temperature: float = 1.0
@@ -139,9 +144,12 @@ def sample(
 ):
   """Sample the token for absolute position ``positions`` from ``logits`` (the previous position's).
 
-  Returns (tokens int32 [*R], logprobs f32 [*R], nonfinite bool [*R]). The logprob is that of the chosen
-  token under the sampling distribution (tempered, restricted, renormalised; greedy: softmax(logits)).
-  ``nonfinite`` flags rows whose logits hold NaN or inf; their token is meaningless and callers must not
+  Returns (tokens int32 [*R], logprobs f32 [*R], nonfinite bool [*R]). The logprob is that of the
+  chosen
+  token under the sampling distribution (tempered, restricted, renormalised; greedy:
+  softmax(logits)).
+  ``nonfinite`` flags rows whose logits hold NaN or inf; their token is meaningless and callers must
+  not
   commit it.
   """
   x = allowed_logits(logits, cfg)
@@ -157,7 +165,7 @@ def sample(
 
 
 def token_logprobs(logits: Float[Array, "*R V"], tokens: Int[Array, "*R"], cfg: SamplingConfig):
-  """Logprob of given tokens under the sampling distribution (teacher forcing; same rule as ``sample``)."""
+  """Logprob of given tokens under the sampling distribution (teacher forcing; as ``sample``)."""
   x = allowed_logits(logits, cfg)
   lse = jax.nn.logsumexp(x, axis=-1)
   return jnp.take_along_axis(x, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse

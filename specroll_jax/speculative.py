@@ -18,7 +18,6 @@ import time
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import heads as _heads
@@ -32,26 +31,26 @@ from specroll_jax.models import decoder as _dec
 class SpecState:
   # per slot [R]
   cache: _dec.KVCache
-  root: Int[Array, "R"]  # last emitted token: the next tree's root (not yet in the cache)
+  root: Int[Array, " R"]  # last emitted token: the next tree's root (not yet in the cache)
   h: Float[Array, "R D"]  # pre-norm hidden at the root's anchor (what the heads read)
-  row: Int[Array, "R"]  # global row index of the slot
-  sample_ids: Int[Array, "R"]
-  n_out: Int[Array, "R"]
-  done: Bool[Array, "R"]
+  row: Int[Array, " R"]  # global row index of the slot
+  sample_ids: Int[Array, " R"]
+  n_out: Int[Array, " R"]
+  done: Bool[Array, " R"]
   proposer: tuple  # proposer state (empty for static heads; Reflex plugs in here)
   # global [B, ...]
   out_tokens: Int[Array, "B M"]
   out_logprobs: Float[Array, "B M"]
   out_hidden: Float[Array, "B M D"] | None
-  lengths: Int[Array, "B"]
-  nonfinite: Bool[Array, "B"]
+  lengths: Int[Array, " B"]
+  nonfinite: Bool[Array, " B"]
   # stats
   forwards: Int[Array, ""]
   row_forwards: Int[Array, ""]
-  head_proposed: Int[Array, "K"]
-  head_accepted: Int[Array, "K"]
+  head_proposed: Int[Array, " K"]
+  head_accepted: Int[Array, " K"]
   nodes_verified: Int[Array, ""]
-  active_trace: Int[Array, "F"]  # active rows at forward f (f < max_new + 1)
+  active_trace: Int[Array, " F"]  # active rows at forward f (f < max_new + 1)
 
 
 def _scatter_rows(out, rows, slots, values):

@@ -1,15 +1,18 @@
 """Sparse speculation trees with static shapes (DESIGN.md, "One speculative step", step 2).
 
-The candidate tree is the product tree of the heads' per-depth top-k candidates (k_1, ..., k_K): a node
+The candidate tree is the product tree of the heads' per-depth top-k candidates (k_1, ..., k_K): a
+node
 at depth d is (parent at depth d-1, one of head d's top-k_d tokens); its score is the cumulative
 log-probability along its path. The planner
 
   1. reserves the trunk (the top-1 of every head, chained) first, so deep heads are never starved;
-  2. fills the rest of the row's node budget n with the highest-scoring nodes among children of nodes
+  2. fills the rest of the row's node budget n with the highest-scoring nodes among children of
+  nodes
      already in the tree.
 
 Because a child's score is its parent's plus a log-probability (<= 0, and made strictly negative),
-greedy best-first expansion picks exactly the n highest-scoring nodes, and sorting them by score puts
+greedy best-first expansion picks exactly the n highest-scoring nodes, and sorting them by score
+puts
 every parent before its children: the tree is prefix-closed and topologically ordered by
 construction, with no duplicate (parent, token) (a head's top-k tokens are distinct).
 Node 0 is the root (the target's already-sampled next token, depth 0).
@@ -39,7 +42,7 @@ class Tree:
   slot: Int[Array, "R N1"]  # index in the candidate product tree (-1 for the root)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def candidate_tree(topk: tuple[int, ...]):
   """Static layout of the product tree, in breadth-first order (numpy, root excluded).
 
@@ -72,7 +75,7 @@ def candidate_tree(topk: tuple[int, ...]):
   return depth, parent, cand, anc, trunk
 
 
-def plan(root: Int[Array, "R"], head_logprobs: Float[Array, "R K V"], budget: Int[Array, "R"], *,
+def plan(root: Int[Array, " R"], head_logprobs: Float[Array, "R K V"], budget: Int[Array, " R"], *,
          num_nodes: int, topk: tuple[int, ...]) -> Tree:
   """Build each row's tree of at most ``num_nodes`` nodes (static) of which ``budget[r]`` are valid.
 
@@ -131,7 +134,8 @@ def plan(root: Int[Array, "R"], head_logprobs: Float[Array, "R K V"], budget: In
 
 def accept(tree: Tree, target_tokens: Int[Array, "R N1"], max_depth: int):
   """Exact acceptance: node n is accepted iff its parent is and token(n) == the target's sample at
-  the parent. Returns (accepted [R, N1] bool, path [R, max_depth + 1] node index at each depth of the
+  the parent. Returns (accepted [R, N1] bool, path [R, max_depth + 1] node index at each depth of
+  the
   accepted path, path_len [R] = D + 1)."""
   r, n1 = tree.tokens.shape
   par = jnp.maximum(tree.parent, 0)

@@ -24,7 +24,7 @@ class VerifyResult:
   logprobs: Float[Array, "R D1"]  # their logprobs under the sampling distribution
   nonfinite: Bool[Array, "R D1"]  # the logits that sampled token j held NaN/inf
   path: Int[Array, "R D1"]  # node index of the accepted path at each depth
-  path_len: Int[Array, "R"]  # D + 1
+  path_len: Int[Array, " R"]  # D + 1
   hidden: Float[Array, "R D1 Dm"]  # pre-norm hidden at each path node (anchor of token j)
   k_path: Float[Array, "Ly R D1 Hkv Dh"]  # K/V of the path nodes, to commit at L + j
   v_path: Float[Array, "Ly R D1 Hkv Dh"]
@@ -32,7 +32,7 @@ class VerifyResult:
   accepted: Bool[Array, "R N1"]
 
 
-def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: Int[Array, "R"],
+def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: Int[Array, " R"],
            sampling: _sampling.SamplingConfig, *, max_depth: int,
            attn_impl: str = "reference") -> VerifyResult:
   """Run the verify forward for ``tree`` over ``cache`` (not modified) and accept exactly."""

@@ -29,5 +29,6 @@ def get(impl: str):
     return _ta.tree_attention_reference
   kernel = getattr(_ta, "tree_attention", None)
   if kernel is None:  # kernel module not built: fall back loudly only for "pallas*"
-    raise ValueError(f"attn_impl={impl!r} requested but pallas_kernels.tree_attention has no kernel")
+    raise ValueError(
+        f"attn_impl={impl!r} requested but pallas_kernels.tree_attention has no kernel")
   return functools.partial(kernel, interpret=impl == "pallas_interpret")

@@ -7,7 +7,8 @@ One code path, three uses (all through :func:`step`):
       (tree verification: each new token sees the valid cache prefix and its tree ancestors only).
 
 Every step returns logits (f32), the last layer's hidden states *before* the final norm (what the
-future-token heads read) and the step's own K/V per layer; writing them into the cache is a separate,
+future-token heads read) and the step's own K/V per layer; writing them into the cache is a
+separate,
 explicit scatter (:func:`write_cache`), so a verify step can commit only its accepted nodes.
 
 Parameters are the ``params`` collection of :class:`Decoder` (layers stacked on a leading axis by
@@ -32,7 +33,7 @@ from specroll_jax.models.config import ModelConfig
 class KVCache:
   k: Float[Array, "Ly B L Hkv Dh"]  # keys of committed tokens (row b valid up to lengths[b])
   v: Float[Array, "Ly B L Hkv Dh"]
-  lengths: Int[Array, "B"]  # number of committed tokens per row
+  lengths: Int[Array, " B"]  # number of committed tokens per row
 
   @property
   def max_length(self) -> int:
@@ -78,7 +79,7 @@ def _inv_freq(config: ModelConfig):
 
 
 def rope(x, positions, config: ModelConfig):
-  """Rotary embedding (rotate-half convention of transformers). x [B, T, H, Dh], positions [B, T]."""
+  """Rotary embedding (transformers' rotate-half convention). x [B, T, H, Dh], positions [B, T]."""
   freqs = positions.astype(jnp.float32)[..., None] * _inv_freq(config)  # [B, T, Dh/2]
   emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
   cos, sin = jnp.cos(emb), jnp.sin(emb)
@@ -211,7 +212,7 @@ def write_cache(cache: KVCache, k_new, v_new, slots: Int[Array, "B T"]) -> KVCac
   return cache.replace(k=k, v=v)
 
 
-def prefill(config: ModelConfig, params, tokens: Int[Array, "B T"], lengths: Int[Array, "B"],
+def prefill(config: ModelConfig, params, tokens: Int[Array, "B T"], lengths: Int[Array, " B"],
             cache: KVCache, *, attn_impl: str = "auto"):
   """Prefill right-padded prompts (row b valid up to lengths[b] >= 1) into an empty cache.
 
