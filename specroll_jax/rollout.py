@@ -268,6 +268,7 @@ def stop_mask(tokens, n_out, eos_ids, max_new: int, avail):
 def _vanilla(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, sampling, max_new,
              cache_length, attn_impl, return_hidden):
   b = tokens.shape[0]
+  params = _dec.unstack_layers(params)  # per-layer slices taken once, outside the loop
   cache = _dec.init_cache(config, b, cache_length)
   cache, _, hidden = _dec.prefill(config, params, tokens, lengths, cache, attn_impl=attn_impl)
   tok, lp, nf = _sampling.sample_from_hidden(config, params, hidden, seed, sample_ids, lengths,

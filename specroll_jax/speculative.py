@@ -145,6 +145,7 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
 def _run_bucket(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, max_new,
                 num_nodes, topk, attn_impl, return_hidden, exit_rows):
   """Loop in this bucket until at most ``exit_rows`` rows are active. ``s`` is donated."""
+  params = _dec.unstack_layers(params)  # per-layer slices taken once, outside the loop
   def cond(s):
     n_active = jnp.sum(~s.done)
     return (n_active > 0) & (n_active > exit_rows)

@@ -168,6 +168,17 @@ def init_params(key, config: ModelConfig):
   return variables["params"]
 
 
+def unstack_layers(params):
+  """Params with ``layers`` as a tuple of per-layer dicts (static slices of the stacked leaves).
+
+  Call it once outside a decode loop; ``step`` accepts either form."""
+  layers = params["layers"]
+  if isinstance(layers, (tuple, list)):
+    return params
+  n = jax.tree.leaves(layers)[0].shape[0]
+  return {**params, "layers": tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))}
+
+
 def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
          cache: KVCache | None = None, mask: Bool[Array, "B T T"] | None = None, *,
          attn_impl: str = "auto", compute_logits: bool = True) -> StepOutput:
@@ -184,8 +195,19 @@ def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[
     ck = jnp.zeros((config.num_layers, b, 0, config.num_kv_heads, config.head_dim),
                    config.jnp_dtype)
     cache = KVCache(k=ck, v=ck, lengths=jnp.zeros((b,), jnp.int32))
-  hidden, k_new, v_new = Decoder(config, _attention(attn_impl)).apply(
-      {"params": params}, tokens, positions, cache.k, cache.v, cache.lengths, mask)
+  # Layers run unrolled over per-layer parameter slices (``unstack_layers``): inside a decode
+  # while_loop the slices are loop invariants, so no weight is copied per step (nn.scan would
+  # dynamic-slice every layer's weights on every iteration).
+  layers = unstack_layers(params)["layers"]
+  block = Block(config, _attention(attn_impl))
+  x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+  ks, vs = [], []
+  for i, lp in enumerate(layers):
+    x, (k, v) = block.apply({"params": lp}, x, (cache.k[i], cache.v[i]), positions, cache.lengths,
+                            mask)
+    ks.append(k)
+    vs.append(v)
+  hidden, k_new, v_new = x, jnp.stack(ks), jnp.stack(vs)
   logits = logits_from_hidden(config, params, hidden) if compute_logits else None
   return StepOutput(logits=logits, hidden=hidden, k_new=k_new, v_new=v_new)
 
