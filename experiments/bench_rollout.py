@@ -110,7 +110,7 @@ def _print(rows, a):
     bk = " ".join(f"({b[0]},{b[1]},{b[2]},{b[3]:.2f})" for b in r.get("buckets", []))
     t.add_row(r["engine"], str(r["budget"] or "-"), f"{r['tau']:.2f}", str(r["target_forwards"]),
               f"{r['seconds']:.2f}", f"{r['speedup']:.2f}x", str(r["identical"]), acc, bk)
-  Console().print(t)
+  Console(width=200).print(t)
 
 
 def _plot(rows, path):
