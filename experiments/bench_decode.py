@@ -9,7 +9,8 @@ greedy with no EOS, so every row runs exactly ``--max-new`` tokens. Our engine a
 Timing: wall-clock of the whole call (prefill + decode; ``jax.block_until_ready`` on ours), after
 one warm-up call per engine and shape (our first call includes the JAX compile, reported
 separately as first-call time minus the steady median). The ``--repeats`` timed calls are
-interleaved across engines (HF, ours greedy, ours T=1, HF, ...) so a load spike from other
+interleaved across engines (order rotated each repeat, ``--gap`` seconds of sleep before each call
+so one engine's spinning idle worker threads do not slow the next) so a load spike from other
 processes hits all of them alike; the median is reported. tokens/s = batch * max_new / time;
 ms/step = time / max_new. The load average is recorded before each batch.
 
@@ -66,6 +67,9 @@ def parse_args(argv=None):
   p.add_argument("--max-new", type=int, default=64, help="new tokens per row (no EOS)")
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3, help="timed calls per engine and batch (median)")
+  p.add_argument("--gap", type=float, default=0.2,
+                 help="seconds of sleep before every timed call, so one engine's idle worker\n"
+                      "threads (OpenMP spin-wait) do not steal cores from the next call")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--hf-attn", default="sdpa", choices=["sdpa", "eager"],
                  help="transformers attention implementation")
@@ -160,7 +164,7 @@ def agreement(config, params, prompts, hf_tok, our_tok):
       "rows_identical": int(same.all(1).sum()),
       "rows": int(b),
       "first_divergence": [int(x) for x in first if x < m],
-      "divergence_margins": margins,  # our logit(our token) - our logit(HF token), >= 0
+      "divergence_margins": margins,  # our logit(our token) - our logit(HF token); ~0 = near-tie
   }
 
 
@@ -240,8 +244,20 @@ def plot(rows, path: Path, title: str):
   plt.close(fig)
 
 
+def _git(*cmd) -> str | None:
+  import subprocess
+  try:
+    return subprocess.run(["git", *cmd], cwd=Path(__file__).resolve().parents[1], text=True,
+                          capture_output=True, timeout=10, check=True).stdout.strip()
+  except (OSError, subprocess.SubprocessError):
+    return None
+
+
 def environment(args):
+  dirty = _git("status", "--porcelain", "--untracked-files=no")
   return {
+      "git_commit": _git("rev-parse", "--short", "HEAD"),
+      "git_modified": dirty.splitlines() if dirty else [],
       "python": platform.python_version(), "jax": jax.__version__, "torch": torch.__version__,
       "transformers": transformers.__version__, "nproc": os.cpu_count(),
       "cpu": platform.processor() or platform.machine(), "jax_backend": jax.default_backend(),
@@ -296,9 +312,11 @@ def main(argv=None):
     assert hf_tok.shape == (b, m), f"HF returned {hf_tok.shape}, expected {(b, m)}"
     assert (np.asarray(ours.lengths) == m).all(), "our engine stopped a row early"
     times = {name: [] for name in engines}
-    for _ in range(args.repeats):  # interleaved
-      for name, fn in engines.items():
-        times[name].append(timed(fn)[0])
+    names = list(engines)
+    for rep in range(args.repeats):  # interleaved, order rotated each repeat
+      for name in names[rep % len(names):] + names[: rep % len(names)]:
+        time.sleep(args.gap)
+        times[name].append(timed(engines[name])[0])
     torch.set_num_threads(os.cpu_count())
     med = {name: statistics.median(ts) for name, ts in times.items()}
     best = min(hf_names, key=med.get)
