@@ -287,19 +287,18 @@ def _vanilla(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, samp
 
   def body(s: _VanillaState) -> _VanillaState:
     pos = s.cache.lengths  # position of s.last
-    out = _dec.step(config, params, s.last[:, None], pos[:, None], s.cache,
-                    jnp.ones((b, 1, 1), bool), attn_impl=attn_impl, compute_logits=False)
     active = ~s.done
-    cache = _dec.write_cache(s.cache, out.k_new, out.v_new, jnp.where(active, pos, -1)[:, None])
+    hidden, cache = _dec.append_step(config, params, s.last[:, None], s.cache,
+                                     jnp.where(active, pos, -1)[:, None], attn_impl=attn_impl)
     cache = cache.replace(lengths=pos + active.astype(jnp.int32))
-    tok, lp, nf = _sampling.sample_from_hidden(config, params, out.hidden[:, 0], seed, sample_ids,
+    tok, lp, nf = _sampling.sample_from_hidden(config, params, hidden[:, 0], seed, sample_ids,
                                                pos + 1, sampling, impl=attn_impl)
     nf = nf & active
     keep, done = stop_mask(tok[:, None], s.n_out, eos_ids, max_new, (active & ~nf)[:, None])
     out_h = s.out_hidden
     if return_hidden:
       slot = jnp.where(keep[:, 0], s.n_out, max_new)
-      out_h = out_h.at[jnp.arange(b), slot].set(out.hidden[:, 0], mode="drop")
+      out_h = out_h.at[jnp.arange(b), slot].set(hidden[:, 0], mode="drop")
     out_t, out_lp, n_out = emit(s.out_tokens, s.out_logprobs, s.n_out, tok[:, None], lp[:, None],
                                 keep)
     return s.replace(cache=cache, last=jnp.where(active, tok, s.last), out_tokens=out_t,

@@ -135,6 +135,15 @@ def allowed_logits(logits: Float[Array, "*R V"], cfg: SamplingConfig) -> Float[A
   return x
 
 
+def first_argmax(x):
+  """argmax over the last axis with jnp.argmax's rule (first maximal index), via max + min-index:
+  several times faster than jnp.argmax on XLA CPU. A row without a maximum (NaN) gives index 0."""
+  m = jnp.max(x, axis=-1, keepdims=True)
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+  idx = jnp.min(jnp.where(x == m, iota, x.shape[-1]), axis=-1)
+  return jnp.where(idx == x.shape[-1], 0, idx)
+
+
 def sample(
     logits: Float[Array, "*R V"],
     seed,
@@ -155,10 +164,10 @@ def sample(
   x = allowed_logits(logits, cfg)
   nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1)
   if cfg.greedy:
-    tok = jnp.argmax(x, axis=-1)
+    tok = first_argmax(x)
   else:
     g = gumbel_noise(seed, sample_ids, positions, x.shape[-1])
-    tok = jnp.argmax(x + g, axis=-1)
+    tok = first_argmax(x + g)
   lse = jax.nn.logsumexp(x, axis=-1)
   lp = jnp.take_along_axis(x, tok[..., None], axis=-1)[..., 0] - lse
   return tok.astype(jnp.int32), lp, nonfinite

@@ -161,8 +161,7 @@ def _compact(s: SpecState, *, rows: int) -> SpecState:
   """Move the active slots first and keep ``rows`` slots (the KV cache moves with them)."""
   order = jnp.argsort(s.done, stable=True)[:rows]
   g = lambda x: x[order]
-  cache = _dec.KVCache(k=s.cache.k[:, order], v=s.cache.v[:, order],
-                       lengths=s.cache.lengths[order])
+  cache = s.cache.take_rows(order)
   return s.replace(cache=cache, root=g(s.root), h=g(s.h), row=g(s.row),
                    sample_ids=g(s.sample_ids), n_out=g(s.n_out), done=g(s.done),
                    proposer=jax.tree.map(g, s.proposer))

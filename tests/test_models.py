@@ -74,8 +74,9 @@ def _garbage_cache(config: ModelConfig, batch: int, max_length: int, seed: int):
   """A cache whose every slot holds noise: only slots below ``lengths`` may influence outputs."""
   cache = init_cache(config, batch, max_length)
   kk, kv = jax.random.split(jax.random.key(seed))
-  return cache.replace(k=3.0 * jax.random.normal(kk, cache.k.shape, cache.k.dtype),
-                       v=3.0 * jax.random.normal(kv, cache.v.shape, cache.v.dtype))
+  noise = lambda key, bufs: tuple(3.0 * jax.random.normal(jax.random.fold_in(key, i), x.shape,
+                                                         x.dtype) for i, x in enumerate(bufs))
+  return cache.replace(k=noise(kk, cache.k), v=noise(kv, cache.v))
 
 
 def _full(config, params, seqs):
@@ -140,10 +141,11 @@ def test_cached_decode_matches_full_forward(model):
   np.testing.assert_allclose(got_logits, ref_logits[rows, idx], rtol=0, atol=ATOL)
   np.testing.assert_allclose(got_hidden, ref_hidden[rows, idx], rtol=0, atol=ATOL)
   # The cache now holds the full forward's K/V at every committed slot.
+  ck, cv = cache.stacked()
   for b, n in enumerate(lengths + n_new):
-    np.testing.assert_allclose(np.asarray(cache.k[:, b, :n]), np.asarray(ref_out.k_new[:, b, :n]),
+    np.testing.assert_allclose(np.asarray(ck[:, b, :n]), np.asarray(ref_out.k_new[:, b, :n]),
                                rtol=0, atol=ATOL)
-    np.testing.assert_allclose(np.asarray(cache.v[:, b, :n]), np.asarray(ref_out.v_new[:, b, :n]),
+    np.testing.assert_allclose(np.asarray(cv[:, b, :n]), np.asarray(ref_out.v_new[:, b, :n]),
                                rtol=0, atol=ATOL)
 
 
@@ -153,12 +155,12 @@ def test_write_cache_drops_negative_and_out_of_range_slots(model):
   k_new = jnp.ones((config.num_layers, 2, 3, config.num_kv_heads, config.head_dim))
   slots = jnp.array([[0, -1, 4], [3, 2, -5]])
   out = _write_cache(cache, k_new, 2 * k_new, slots)
-  k, k0 = np.asarray(out.k), np.asarray(cache.k)
+  k, k0 = np.asarray(out.stacked()[0]), np.asarray(cache.stacked()[0])
   np.testing.assert_array_equal(k[:, 0, 0], 1.0)
   np.testing.assert_array_equal(k[:, 0, 1:], k0[:, 0, 1:])
   np.testing.assert_array_equal(k[:, 1, 2:], 1.0)
   np.testing.assert_array_equal(k[:, 1, :2], k0[:, 1, :2])
-  np.testing.assert_array_equal(np.asarray(out.v[:, 1, 2:]), 2.0)
+  np.testing.assert_array_equal(np.asarray(out.stacked()[1][:, 1, 2:]), 2.0)
   np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(cache.lengths))
 
 

@@ -31,13 +31,25 @@ from specroll_jax.models.config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-  k: Float[Array, "Ly B L Hkv Dh"]  # keys of committed tokens (row b valid up to lengths[b])
-  v: Float[Array, "Ly B L Hkv Dh"]
+  """One K and one V buffer per layer, so a decode loop updates each in place (a stacked
+  [Ly, ...] buffer would be sliced per layer and copied on every step)."""
+
+  k: tuple  # Ly x [B, L, Hkv, Dh]: keys of committed tokens (row b valid up to lengths[b])
+  v: tuple  # Ly x [B, L, Hkv, Dh]
   lengths: Int[Array, " B"]  # number of committed tokens per row
 
   @property
   def max_length(self) -> int:
-    return self.k.shape[2]
+    return self.k[0].shape[1]
+
+  def stacked(self):
+    """(k, v) as [Ly, B, L, Hkv, Dh] arrays (a copy; for inspection and tests)."""
+    return jnp.stack(self.k), jnp.stack(self.v)
+
+  def take_rows(self, rows: Int[Array, " R"]) -> KVCache:
+    """The cache of the given batch rows (compaction into a smaller bucket)."""
+    return KVCache(k=tuple(x[rows] for x in self.k), v=tuple(x[rows] for x in self.v),
+                   lengths=self.lengths[rows])
 
 
 @flax.struct.dataclass
@@ -49,10 +61,18 @@ class StepOutput:
 
 
 def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
-  shape = (config.num_layers, batch, max_length, config.num_kv_heads, config.head_dim)
+  shape = (batch, max_length, config.num_kv_heads, config.head_dim)
   dtype = dtype or config.jnp_dtype
-  return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                 lengths=jnp.zeros((batch,), jnp.int32))
+  zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def _scatter_rows(buf, new, slots):
+  """buf [B, L, ...] <- new [B, T, ...] at slots [B, T] (out-of-range slots dropped)."""
+  b, t = slots.shape
+  slots = jnp.where(slots < 0, buf.shape[1], slots)
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  return buf.at[rows, slots].set(new.astype(buf.dtype), mode="drop")
 
 
 def rms_norm(x, scale, eps: float):
@@ -106,7 +126,7 @@ class Block(nn.Module):
   attention_fn: callable
 
   @nn.compact
-  def __call__(self, x, layer_cache, positions, cache_lengths, mask):
+  def __call__(self, x, layer_cache, positions, cache_lengths, mask, append_slots=None):
     c = self.config
     dt = c.jnp_dtype
     dense = functools.partial(nn.Dense, dtype=dt, param_dtype=dt,
@@ -120,13 +140,21 @@ class Block(nn.Module):
     k = rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
     k_cache, v_cache = layer_cache
-    attn = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, mask)
+    if append_slots is not None:
+      # Decode: write this step's K/V into the layer's cache in place first, then attend the
+      # cache only (the new-token block is masked out), so no cache copy is ever needed.
+      k_cache = _scatter_rows(k_cache, k, append_slots)
+      v_cache = _scatter_rows(v_cache, v, append_slots)
+      attn = self.attention_fn(q, k_cache, v_cache, cache_lengths + t, k, v,
+                               jnp.zeros((b, t, t), bool))
+    else:
+      attn = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, mask)
     x = x + dense(c.hidden_size, use_bias=False, name="o_proj")(attn.reshape(b, t, -1))
     h = RMSNorm(c.rms_norm_eps, dt, name="mlp_norm")(x)
     gate = dense(c.intermediate_size, use_bias=False, name="gate_proj")(h)
     up = dense(c.intermediate_size, use_bias=False, name="up_proj")(h)
     x = x + dense(c.hidden_size, use_bias=False, name="down_proj")(nn.silu(gate) * up)
-    return x, (k, v)
+    return x, ((k, v), (k_cache, v_cache))
 
 
 class Decoder(nn.Module):
@@ -142,7 +170,7 @@ class Decoder(nn.Module):
     x = embed(tokens)
     layers = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
                      in_axes=(0, nn.broadcast, nn.broadcast, nn.broadcast), length=c.num_layers)
-    x, (k_new, v_new) = layers(c, self.attention_fn, name="layers")(
+    x, ((k_new, v_new), _) = layers(c, self.attention_fn, name="layers")(
         x, (cache_k, cache_v), positions, cache_lengths, mask)
     if self.is_initializing():  # register the output parameters; logits come from
       RMSNorm(c.rms_norm_eps, dt, name="final_norm")(x)  # ``logits_from_hidden`` (one code path)
@@ -192,24 +220,43 @@ def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[
   if mask is None:
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   if cache is None:
-    ck = jnp.zeros((config.num_layers, b, 0, config.num_kv_heads, config.head_dim),
-                   config.jnp_dtype)
-    cache = KVCache(k=ck, v=ck, lengths=jnp.zeros((b,), jnp.int32))
+    cache = init_cache(config, b, 0)
+  hidden, k_new, v_new, _ = _layers(config, params, tokens, positions, cache, mask, attn_impl)
+  logits = logits_from_hidden(config, params, hidden) if compute_logits else None
+  return StepOutput(logits=logits, hidden=hidden, k_new=k_new, v_new=v_new)
+
+
+def append_step(config: ModelConfig, params, tokens: Int[Array, "B T"],
+                cache: KVCache, slots: Int[Array, "B T"], *, attn_impl: str = "auto"):
+  """Decode step that appends: token j of row b sits at position lengths[b] + j, its K/V are
+  written into the cache (in place, per layer) at ``slots`` (normally lengths[b] + j; < 0 to drop)
+  before attention, so each token attends the cache prefix and itself and its predecessors.
+
+  Returns (pre-norm hidden [B, T, D], cache with the K/V written; lengths unchanged).
+  """
+  b, t = tokens.shape
+  positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+  hidden, _, _, (ks, vs) = _layers(config, params, tokens, positions, cache, None, attn_impl,
+                                   append_slots=slots)
+  return hidden, cache.replace(k=ks, v=vs)
+
+
+def _layers(config, params, tokens, positions, cache, mask, attn_impl, append_slots=None):
   # Layers run unrolled over per-layer parameter slices (``unstack_layers``): inside a decode
   # while_loop the slices are loop invariants, so no weight is copied per step (nn.scan would
   # dynamic-slice every layer's weights on every iteration).
   layers = unstack_layers(params)["layers"]
   block = Block(config, _attention(attn_impl))
   x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
-  ks, vs = [], []
+  ks, vs, kc, vc = [], [], [], []
   for i, lp in enumerate(layers):
-    x, (k, v) = block.apply({"params": lp}, x, (cache.k[i], cache.v[i]), positions, cache.lengths,
-                            mask)
+    x, ((k, v), (ck, cv)) = block.apply({"params": lp}, x, (cache.k[i], cache.v[i]), positions,
+                                      cache.lengths, mask, append_slots)
     ks.append(k)
     vs.append(v)
-  hidden, k_new, v_new = x, jnp.stack(ks), jnp.stack(vs)
-  logits = logits_from_hidden(config, params, hidden) if compute_logits else None
-  return StepOutput(logits=logits, hidden=hidden, k_new=k_new, v_new=v_new)
+    kc.append(ck)
+    vc.append(cv)
+  return x, jnp.stack(ks), jnp.stack(vs), (tuple(kc), tuple(vc))
 
 
 def forward(config: ModelConfig, params, tokens: Int[Array, "B T"], *,
@@ -226,11 +273,8 @@ def write_cache(cache: KVCache, k_new, v_new, slots: Int[Array, "B T"]) -> KVCac
   A slot < 0 or >= the cache length is dropped (used for rejected tree nodes and padding).
   Lengths are not changed; the caller sets them.
   """
-  ly, b, t = k_new.shape[:3]
-  slots = jnp.where(slots < 0, cache.max_length, slots)  # out of range -> dropped
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  k = cache.k.at[:, rows, slots].set(k_new.astype(cache.k.dtype), mode="drop")
-  v = cache.v.at[:, rows, slots].set(v_new.astype(cache.v.dtype), mode="drop")
+  k = tuple(_scatter_rows(buf, k_new[i], slots) for i, buf in enumerate(cache.k))
+  v = tuple(_scatter_rows(buf, v_new[i], slots) for i, buf in enumerate(cache.v))
   return cache.replace(k=k, v=v)
 
 
