@@ -85,6 +85,9 @@ def main(argv=None):
                  "nodes_verified": int(st.nodes_verified),
                  "buckets": [list(b) for b in st.bucket_times],
                  "active_trace": np.asarray(st.active_trace).tolist()})
+  for r in rows:  # cost per batched target forward, and the tau at which speculation breaks even
+    r["ms_per_forward"] = 1e3 * r["seconds"] / r["target_forwards"]
+    r["break_even_tau"] = r["ms_per_forward"] / rows[0]["ms_per_forward"] * rows[0]["tau"]
   _print(rows, a)
   out_path = Path(a.out)
   out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,14 +105,15 @@ def _print(rows, a):
   from rich.table import Table
   t = Table(title=f"rollouts: {a.prompts} prompts x G={a.group}, T={a.temperature}, "
                   f"top-p={a.top_p}, {a.max_new_tokens} new tokens")
-  for c in ("engine", "budget", "tau", "target fwd", "seconds", "vs vanilla", "identical",
-            "head acc.", "buckets (rows,N,steps,s)"):
+  for c in ("engine", "budget", "tau", "target fwd", "seconds", "vs vanilla", "ms/forward",
+            "break-even tau", "identical", "head acc.", "buckets (rows,N,steps,s)"):
     t.add_column(c)
   for r in rows:
     acc = " ".join(f"{x:.2f}" for x in r.get("head_acceptance", []))
     bk = " ".join(f"({b[0]},{b[1]},{b[2]},{b[3]:.2f})" for b in r.get("buckets", []))
     t.add_row(r["engine"], str(r["budget"] or "-"), f"{r['tau']:.2f}", str(r["target_forwards"]),
-              f"{r['seconds']:.2f}", f"{r['speedup']:.2f}x", str(r["identical"]), acc, bk)
+              f"{r['seconds']:.2f}", f"{r['speedup']:.2f}x", f"{r['ms_per_forward']:.2f}",
+              f"{r['break_even_tau']:.2f}", str(r["identical"]), acc, bk)
   Console(width=200).print(t)
 
 
