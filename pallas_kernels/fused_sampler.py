@@ -37,6 +37,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels._shapes import cdiv as _cdiv
+from pallas_kernels._shapes import is_pow2 as _is_pow2
+from pallas_kernels._shapes import next_pow2 as _next_pow2
+from pallas_kernels._shapes import round_up as _round_up
 from pallas_kernels.tree_attention import BACKENDS, resolve_backend
 from specroll_jax import sampling
 from specroll_jax.sampling import gumbel_from_bits, row_key, token_bits
@@ -83,22 +87,6 @@ class BlockSizes:
     if not isinstance(self.num_stages, int) or self.num_stages < 1:
       raise ValueError(f"fused_sampler.BlockSizes.num_stages must be an int >= 1, got "
                        f"{self.num_stages!r}")
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
-def _cdiv(n: int, m: int) -> int:
-  return -(-n // m)
 
 
 def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temperature: float):

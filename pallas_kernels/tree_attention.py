@@ -26,6 +26,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels._shapes import is_pow2 as _is_pow2
+from pallas_kernels._shapes import next_pow2 as _next_pow2
+from pallas_kernels._shapes import round_up as _round_up
+
 _NEG = -1e30
 
 
@@ -126,18 +130,6 @@ class BlockSizes:
   def for_backend(cls, backend: str) -> BlockSizes:
     """Production defaults: block_l 128 on GPU (Triton), 512 on TPU (lane-dense, fewer steps)."""
     return cls(block_l=512) if backend == "tpu" else cls()
-
-
-def _is_pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
-def _next_pow2(n: int) -> int:
-  return 1 << max(n - 1, 0).bit_length()
-
-
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
 
 
 def resolve_backend(backend: str, interpret: bool) -> str:
