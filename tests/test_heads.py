@@ -215,3 +215,24 @@ def test_fit_heads_rejects_bad_inputs(model):
   with pytest.raises(ValueError, match="vocab"):
     H.fit_heads(cfg, params, H.init(jax.random.PRNGKey(0), cfg.replace(vocab_size=65), K),
                 tokens, lengths, hidden, steps=1, progress=False)
+
+
+def test_save_load_roundtrip(tmp_path):
+  import jax
+
+  from specroll_jax import heads as H
+  from specroll_jax import models
+  config = models.ModelConfig.tiny(vocab_size=64)
+  hd = H.init(jax.random.key(3), config, 3, scale=0.1)
+  H.save(tmp_path / "h.safetensors", hd)
+  back = H.load(tmp_path / "h.safetensors")
+  assert back.vocab_size == hd.vocab_size and back.num_heads == 3
+  for a, b in zip(jax.tree.leaves(hd), jax.tree.leaves(back), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_grpo_batch_sample_ids():
+  from specroll_jax import pipeline
+  rep, sids = pipeline.grpo_batch([[1], [2, 3]], 3, first_prompt_index=5)
+  assert rep == [[1], [1], [1], [2, 3], [2, 3], [2, 3]]
+  np.testing.assert_array_equal(sids, [15, 16, 17, 18, 19, 20])  # prompt index * G + member
