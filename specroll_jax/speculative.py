@@ -92,7 +92,6 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
               topk, attn_impl, return_hidden) -> SpecState:
   """One speculative step for every slot: propose, plan, verify, commit."""
   from specroll_jax.rollout import stop_mask
-
   k_heads = len(topk)
   active = ~s.done
   head_lp = jax.nn.log_softmax(_heads.apply(config, params, heads, s.h), axis=-1)  # [R, K, V]
@@ -136,7 +135,6 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
       head_proposed=s.head_proposed + (tree_depth[:, None] >= ks).sum(0).astype(jnp.int32),
       head_accepted=s.head_accepted + (depth_reached[:, None] >= ks).sum(0).astype(jnp.int32),
       nodes_verified=s.nodes_verified + (tr.valid.sum(1) - 1).sum().astype(jnp.int32))
-
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "num_nodes", "topk",
