@@ -187,9 +187,11 @@ def load(path) -> Heads:
   from safetensors import safe_open
   with safe_open(str(path), framework="numpy") as f:
     meta = f.metadata() or {}
+    missing = [k for k in ("norm", "w", "b") if k not in f.keys()]
+    if "vocab_size" not in meta or missing:
+      raise ValueError(f"{path}: not a heads file (vocab_size metadata: {'vocab_size' in meta}, "
+                       f"missing tensors: {missing})")
     t = {k: f.get_tensor(k) for k in ("norm", "w", "b")}
-  if "vocab_size" not in meta:
-    raise ValueError(f"{path}: not a heads file (no vocab_size metadata)")
   dt = jnp.dtype(meta.get("dtype", "float32"))
   return Heads(norm=jnp.asarray(t["norm"], dt), w=jnp.asarray(t["w"], dt),
                b=jnp.asarray(t["b"], dt), vocab_size=int(meta["vocab_size"]))

@@ -25,6 +25,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specroll_jax import sampling as _sampling
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
+from specroll_jax.responses import Outputs, append, start, stop_mask
 from specroll_jax.sampling import SamplingConfig
 
 __all__ = ["Rollout", "RolloutStats", "SamplingConfig", "SpecConfig", "generate",
@@ -230,9 +231,7 @@ def _check_seed(seed):
 class _VanillaState:
   cache: _dec.KVCache
   last: Int[Array, " B"]  # last emitted token (fed to the next step)
-  out_tokens: Int[Array, "B M"]
-  out_logprobs: Float[Array, "B M"]
-  out_hidden: Float[Array, "B M D"] | None
+  out: Outputs
   n_out: Int[Array, " B"]
   done: Bool[Array, " B"]
   nonfinite: Bool[Array, " B"]
@@ -240,50 +239,18 @@ class _VanillaState:
   row_forwards: Int[Array, ""]
 
 
-def emit(out_tokens, out_logprobs, n_out, tokens, logprobs, keep):
-  """Append token j of ``tokens`` [B, J] to row b's output where keep[b, j] (a prefix of j)."""
-  b, j = tokens.shape
-  m = out_tokens.shape[1]
-  slots = jnp.where(keep, n_out[:, None] + jnp.arange(j)[None, :], m)
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, j))
-  out_tokens = out_tokens.at[rows, slots].set(tokens, mode="drop")
-  out_logprobs = out_logprobs.at[rows, slots].set(logprobs, mode="drop")
-  return out_tokens, out_logprobs, n_out + keep.sum(axis=1).astype(n_out.dtype)
-
-
-def stop_mask(tokens, n_out, eos_ids, max_new: int, avail):
-  """Which of a row's new tokens [B, J] (available where avail, a prefix) are emitted, and whether
-  the row is done after them: cut after the first EOS and at ``max_new`` tokens, as vanilla does."""
-  j = tokens.shape[1]
-  is_eos = (tokens[..., None] == eos_ids).any(-1)
-  eos_before = jnp.cumsum(is_eos, axis=1) - is_eos  # EOS strictly before j
-  keep = avail & (eos_before == 0) & (n_out[:, None] + jnp.arange(j)[None] < max_new)
-  n_new = n_out + keep.sum(1)
-  done = (keep & is_eos).any(1) | (n_new >= max_new)
-  return keep, done
-
-
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "cache_length",
                                              "attn_impl", "return_hidden"))
 def _vanilla(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, sampling, max_new,
              cache_length, attn_impl, return_hidden):
   b = tokens.shape[0]
+  rows = jnp.arange(b)
   params = _dec.unstack_layers(params)  # per-layer slices taken once, outside the loop
-  cache = _dec.init_cache(config, b, cache_length)
-  cache, _, hidden = _dec.prefill(config, params, tokens, lengths, cache, attn_impl=attn_impl)
-  tok, lp, nf = _sampling.sample_from_hidden(config, params, hidden, seed, sample_ids, lengths,
-                                             sampling, impl=attn_impl)
-  out_t = jnp.zeros((b, max_new), jnp.int32)
-  out_lp = jnp.zeros((b, max_new), jnp.float32)
-  out_h = jnp.zeros((b, max_new, config.hidden_size), hidden.dtype) if return_hidden else None
-  n_out = jnp.zeros((b,), jnp.int32)
-  keep, done = stop_mask(tok[:, None], n_out, eos_ids, max_new, ~nf[:, None])
-  if return_hidden:
-    out_h = out_h.at[:, 0].set(hidden)
-  out_t, out_lp, n_out = emit(out_t, out_lp, n_out, tok[:, None], lp[:, None], keep)
-  state = _VanillaState(cache=cache, last=tok, out_tokens=out_t, out_logprobs=out_lp,
-                        out_hidden=out_h, n_out=n_out, done=done | nf, nonfinite=nf,
-                        forwards=jnp.int32(0), row_forwards=jnp.int32(b))
+  st = start(config, params, tokens, lengths, sample_ids, eos_ids, seed, sampling=sampling,
+             max_new=max_new, cache_length=cache_length, attn_impl=attn_impl,
+             return_hidden=return_hidden)
+  state = _VanillaState(cache=st.cache, last=st.token, out=st.out, n_out=st.n_out, done=st.done,
+                        nonfinite=st.nonfinite, forwards=jnp.int32(0), row_forwards=jnp.int32(b))
 
   def body(s: _VanillaState) -> _VanillaState:
     pos = s.cache.lengths  # position of s.last
@@ -295,19 +262,14 @@ def _vanilla(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, samp
                                                pos + 1, sampling, impl=attn_impl)
     nf = nf & active
     keep, done = stop_mask(tok[:, None], s.n_out, eos_ids, max_new, (active & ~nf)[:, None])
-    out_h = s.out_hidden
-    if return_hidden:
-      slot = jnp.where(keep[:, 0], s.n_out, max_new)
-      out_h = out_h.at[jnp.arange(b), slot].set(hidden[:, 0], mode="drop")
-    out_t, out_lp, n_out = emit(s.out_tokens, s.out_logprobs, s.n_out, tok[:, None], lp[:, None],
-                                keep)
-    return s.replace(cache=cache, last=jnp.where(active, tok, s.last), out_tokens=out_t,
-                     out_logprobs=out_lp, out_hidden=out_h, n_out=n_out,
+    out = append(s.out, rows, s.n_out, keep, tok[:, None], lp[:, None], hidden)
+    return s.replace(cache=cache, last=jnp.where(active, tok, s.last), out=out,
+                     n_out=s.n_out + keep.sum(1).astype(jnp.int32),
                      done=s.done | done | nf, nonfinite=s.nonfinite | nf,
                      forwards=s.forwards + 1, row_forwards=s.row_forwards + active.sum())
 
   s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-  return s.out_tokens, s.out_logprobs, s.out_hidden, s.n_out, s.nonfinite, s.forwards, \
+  return s.out.tokens, s.out.logprobs, s.out.hidden, s.n_out, s.nonfinite, s.forwards, \
       s.row_forwards
 
 

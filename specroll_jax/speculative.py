@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import heads as _heads
-from specroll_jax import sampling as _sampling
+from specroll_jax import responses as _responses
 from specroll_jax import tree as _tree
 from specroll_jax import verify as _verify
 from specroll_jax.models import decoder as _dec
@@ -39,9 +39,7 @@ class SpecState:
   done: Bool[Array, " R"]
   proposer: tuple  # proposer state (empty for static heads; Reflex plugs in here)
   # global [B, ...]
-  out_tokens: Int[Array, "B M"]
-  out_logprobs: Float[Array, "B M"]
-  out_hidden: Float[Array, "B M D"] | None
+  out: _responses.Outputs  # [B, M] tokens / logprobs (/ hidden), by global row
   lengths: Int[Array, " B"]
   nonfinite: Bool[Array, " B"]
   # stats
@@ -53,45 +51,25 @@ class SpecState:
   active_trace: Int[Array, " F"]  # active rows at forward f (f < max_new + 1)
 
 
-def _scatter_rows(out, rows, slots, values):
-  b, j = slots.shape
-  r = jnp.broadcast_to(rows[:, None], (b, j))
-  return out.at[r, slots].set(values.astype(out.dtype), mode="drop")
-
-
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "cache_length",
                                              "attn_impl", "return_hidden", "num_heads"))
 def _prefill(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, sampling, max_new,
              cache_length, attn_impl, return_hidden, num_heads):
-  from specroll_jax.rollout import stop_mask
   b = tokens.shape[0]
-  cache = _dec.init_cache(config, b, cache_length)
-  cache, _, hidden = _dec.prefill(config, params, tokens, lengths, cache, attn_impl=attn_impl)
-  tok, lp, nf = _sampling.sample_from_hidden(config, params, hidden, seed, sample_ids, lengths,
-                                             sampling, impl=attn_impl)
-  n_out = jnp.zeros((b,), jnp.int32)
-  keep, done = stop_mask(tok[:, None], n_out, eos_ids, max_new, ~nf[:, None])
-  slots = jnp.where(keep, 0, max_new)
-  rows = jnp.arange(b)
-  out_t = _scatter_rows(jnp.zeros((b, max_new), jnp.int32), rows, slots, tok[:, None])
-  out_lp = _scatter_rows(jnp.zeros((b, max_new), jnp.float32), rows, slots, lp[:, None])
-  out_h = None
-  if return_hidden:
-    out_h = jnp.zeros((b, max_new, config.hidden_size), hidden.dtype).at[:, 0].set(hidden)
-  n_out = keep.sum(1).astype(jnp.int32)
+  st = _responses.start(config, params, tokens, lengths, sample_ids, eos_ids, seed,
+                        sampling=sampling, max_new=max_new, cache_length=cache_length,
+                        attn_impl=attn_impl, return_hidden=return_hidden)
   zk = jnp.zeros((num_heads,), jnp.int32)
-  return SpecState(cache=cache, root=tok, h=hidden, row=rows.astype(jnp.int32),
-                   sample_ids=sample_ids, n_out=n_out, done=done | nf, proposer=(),
-                   out_tokens=out_t, out_logprobs=out_lp, out_hidden=out_h, lengths=n_out,
-                   nonfinite=nf, forwards=jnp.int32(0), row_forwards=jnp.int32(b),
-                   head_proposed=zk, head_accepted=zk, nodes_verified=jnp.int32(0),
-                   active_trace=jnp.zeros((max_new + 1,), jnp.int32))
+  return SpecState(cache=st.cache, root=st.token, h=st.hidden, row=jnp.arange(b, dtype=jnp.int32),
+                   sample_ids=sample_ids, n_out=st.n_out, done=st.done, proposer=(), out=st.out,
+                   lengths=st.n_out, nonfinite=st.nonfinite, forwards=jnp.int32(0),
+                   row_forwards=jnp.int32(b), head_proposed=zk, head_accepted=zk,
+                   nodes_verified=jnp.int32(0), active_trace=jnp.zeros((max_new + 1,), jnp.int32))
 
 
 def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, max_new, num_nodes,
-              topk, attn_impl, return_hidden) -> SpecState:
+              topk, attn_impl) -> SpecState:
   """One speculative step for every slot: propose, plan, verify, commit."""
-  from specroll_jax.rollout import stop_mask
   k_heads = len(topk)
   active = ~s.done
   head_lp = jax.nn.log_softmax(_heads.apply(config, params, heads, s.h), axis=-1)  # [R, K, V]
@@ -103,19 +81,14 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
   j = jnp.arange(d1)[None]
   nf_cum = jnp.cumsum(res.nonfinite, axis=1) > 0  # token j unusable from the first NaN on
   avail = active[:, None] & (j < res.path_len[:, None]) & ~nf_cum
-  keep, done = stop_mask(res.tokens, s.n_out, eos_ids, max_new, avail)
+  keep, done = _responses.stop_mask(res.tokens, s.n_out, eos_ids, max_new, avail)
   row_nf = active & (nf_cum & (j < res.path_len[:, None])).any(1)
   # Commit: path node j's K/V at L + j, for every emitted token (the root and accepted nodes).
   L = s.cache.lengths
   slots = jnp.where(keep, L[:, None] + j, -1)
   cache = _dec.write_cache(s.cache, res.k_path, res.v_path, slots)
   cache = cache.replace(lengths=L + keep.sum(1).astype(jnp.int32))
-  out_slots = jnp.where(keep, s.n_out[:, None] + j, max_new)
-  out_t = _scatter_rows(s.out_tokens, s.row, out_slots, res.tokens)
-  out_lp = _scatter_rows(s.out_logprobs, s.row, out_slots, res.logprobs)
-  out_h = s.out_hidden
-  if return_hidden:
-    out_h = _scatter_rows(out_h, s.row, out_slots, res.hidden)
+  out = _responses.append(s.out, s.row, s.n_out, keep, res.tokens, res.logprobs, res.hidden)
   n_out = s.n_out + keep.sum(1).astype(jnp.int32)
   last = jnp.maximum(res.path_len - 1, 0)
   new_root = jnp.take_along_axis(res.tokens, last[:, None], axis=1)[:, 0]
@@ -129,7 +102,7 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
   return s.replace(
       cache=cache, root=jnp.where(active, new_root, s.root),
       h=jnp.where(active[:, None], new_h, s.h), n_out=n_out, done=new_done,
-      out_tokens=out_t, out_logprobs=out_lp, out_hidden=out_h, lengths=lengths,
+      out=out, lengths=lengths,
       nonfinite=nonfinite, forwards=s.forwards + 1, row_forwards=s.row_forwards + active.sum(),
       active_trace=s.active_trace.at[s.forwards].add(active.sum().astype(jnp.int32), mode="drop"),
       head_proposed=s.head_proposed + (tree_depth[:, None] >= ks).sum(0).astype(jnp.int32),
@@ -138,10 +111,10 @@ def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, m
 
 
 @functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "num_nodes", "topk",
-                                             "attn_impl", "return_hidden", "exit_rows"),
+                                             "attn_impl", "exit_rows"),
                    donate_argnames=("s",))
 def _run_bucket(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, max_new,
-                num_nodes, topk, attn_impl, return_hidden, exit_rows):
+                num_nodes, topk, attn_impl, exit_rows):
   """Loop in this bucket until at most ``exit_rows`` rows are active. ``s`` is donated."""
   params = _dec.unstack_layers(params)  # per-layer slices taken once, outside the loop
   def cond(s):
@@ -150,8 +123,8 @@ def _run_bucket(config, params, heads, s: SpecState, eos_ids, seed, *, sampling,
 
   body = functools.partial(spec_step, config, params, heads, eos_ids=eos_ids, seed=seed,
                            sampling=sampling, max_new=max_new, num_nodes=num_nodes, topk=topk,
-                           attn_impl=attn_impl, return_hidden=return_hidden)
-  return jax.lax.while_loop(cond, lambda s: body(s), s)
+                           attn_impl=attn_impl)
+  return jax.lax.while_loop(cond, body, s)
 
 
 @functools.partial(jax.jit, static_argnames=("rows",))
@@ -170,7 +143,6 @@ def generate(config, params, heads, batch, *, sampling, spec, max_new, seed, att
   """Speculative rollout of a prepared batch (see ``rollout.generate``). Returns the raw outputs."""
   _heads.validate(config, heads, spec.num_heads)
   b = batch.tokens.shape[0]
-  # Room for a whole tree past the last committed position (rejected nodes are never written).
   s = _prefill(config, params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
                jnp.asarray(batch.sample_ids), jnp.asarray(batch.eos_ids), jnp.uint32(seed),
                sampling=sampling, max_new=max_new, cache_length=batch.cache_length,
@@ -188,7 +160,7 @@ def generate(config, params, heads, batch, *, sampling, spec, max_new, seed, att
     t0 = time.perf_counter()
     s = _run_bucket(config, params, heads, s, eos, jnp.uint32(seed), sampling=sampling,
                     max_new=max_new, num_nodes=n, topk=spec.topk, attn_impl=attn_impl,
-                    return_hidden=return_hidden, exit_rows=exit_rows)
+                    exit_rows=exit_rows)
     steps = int(s.forwards) - f0  # syncs: also the wall-clock end of the bucket
     times.append((rows, n, steps, time.perf_counter() - t0))
   from specroll_jax.rollout import RolloutStats
@@ -198,4 +170,4 @@ def generate(config, params, heads, batch, *, sampling, spec, max_new, seed, att
                        nodes_verified=s.nodes_verified,
                        active_trace=s.active_trace[: max(int(s.forwards), 1)],
                        bucket_times=tuple(times))
-  return s.out_tokens, s.out_logprobs, s.out_hidden, s.lengths, stats
+  return s.out.tokens, s.out.logprobs, s.out.hidden, s.lengths, stats

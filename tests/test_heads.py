@@ -236,3 +236,15 @@ def test_grpo_batch_sample_ids():
   rep, sids = pipeline.grpo_batch([[1], [2, 3]], 3, first_prompt_index=5)
   assert rep == [[1], [1], [1], [2, 3], [2, 3], [2, 3]]
   np.testing.assert_array_equal(sids, [15, 16, 17, 18, 19, 20])  # prompt index * G + member
+
+
+def test_bad_heads_file_and_group_size(tmp_path):
+  from safetensors.numpy import save_file
+
+  from specroll_jax import heads as H
+  from specroll_jax import pipeline
+  save_file({"w": np.zeros((1, 2, 2), np.float32)}, str(tmp_path / "x.safetensors"))
+  with pytest.raises(ValueError, match="not a heads file"):
+    H.load(tmp_path / "x.safetensors")
+  with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
+    pipeline.grpo_batch([[1]], 0)

@@ -27,8 +27,4 @@ def get(impl: str):
   impl = resolve(impl)
   if impl == "reference":
     return _ta.tree_attention_reference
-  kernel = getattr(_ta, "tree_attention", None)
-  if kernel is None:  # kernel module not built: fall back loudly only for "pallas*"
-    raise ValueError(
-        f"attn_impl={impl!r} requested but pallas_kernels.tree_attention has no kernel")
-  return functools.partial(kernel, interpret=impl == "pallas_interpret")
+  return functools.partial(_ta.tree_attention, interpret=impl == "pallas_interpret")
