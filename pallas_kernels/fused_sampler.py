@@ -41,9 +41,8 @@ from pallas_kernels._shapes import cdiv as _cdiv
 from pallas_kernels._shapes import is_pow2 as _is_pow2
 from pallas_kernels._shapes import next_pow2 as _next_pow2
 from pallas_kernels._shapes import round_up as _round_up
+from pallas_kernels.counter_hash import gumbel_from_bits, inverse_temperature, row_key, token_bits
 from pallas_kernels.tree_attention import BACKENDS, resolve_backend
-from specroll_jax import sampling
-from specroll_jax.sampling import gumbel_from_bits, row_key, token_bits
 
 _NEG = -1e30
 _BIG_ID = 2**31 - 1
@@ -90,11 +89,22 @@ class BlockSizes:
 
 
 def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temperature: float):
-  """``sampling.sample`` on f32 logits ``hidden @ unembed`` (plain config): (tokens, logprobs)."""
+  """Plain jnp: f32 logits ``hidden @ unembed``, tempered by ``inverse_temperature(T)`` (T > 0),
+  Gumbel-max with the counter-based noise (lowest id on ties), logprob = x_tok - logsumexp(x).
+  Equal to ``specroll_jax.sampling.sample`` with a plain config (tested there)."""
   logits = jnp.dot(hidden.astype(jnp.float32), unembed.astype(jnp.float32),
                    precision=lax.Precision.HIGHEST)
-  cfg = sampling.SamplingConfig(temperature=float(temperature))
-  tokens, logprobs, _ = sampling.sample(logits, seed, sample_ids, positions, cfg)
+  x = logits * inverse_temperature(temperature) if temperature > 0 else logits
+  z = x
+  if temperature > 0:
+    key = row_key(seed, sample_ids, positions)[:, None]
+    z = x + gumbel_from_bits(token_bits(key, jnp.arange(x.shape[-1], dtype=jnp.uint32)))
+  m = jnp.max(z, axis=-1, keepdims=True)
+  iota = lax.broadcasted_iota(jnp.int32, z.shape, 1)
+  tokens = jnp.min(jnp.where(z == m, iota, z.shape[-1]), axis=-1)
+  tokens = jnp.where(tokens == z.shape[-1], 0, tokens).astype(jnp.int32)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  logprobs = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - lse
   return tokens, logprobs
 
 
@@ -108,7 +118,7 @@ def _tile_update(logits, ids, ok, key, carry, temperature):
   token id and its x, and the running max / sum of exp for logsumexp(x).
   """
   best_z, best_id, best_x, m, den = carry
-  x = logits / jnp.float32(temperature) if temperature > 0 else logits
+  x = logits * inverse_temperature(temperature) if temperature > 0 else logits
   if temperature > 0:
     z = x + gumbel_from_bits(token_bits(key, ids))
   else:

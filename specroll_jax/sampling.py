@@ -2,19 +2,14 @@
 
 The central invariant (DESIGN.md): the token at absolute position ``t`` of response ``sample_id`` is
 
-    x_t = argmax_v ( logits_{t-1}[v] / T + Gumbel(u(seed, sample_id, t, v)) )   over allowed v
+    x_t = argmax_v ( logits_{t-1}[v] * (1 / T) + Gumbel(u(seed, sample_id, t, v)) )   over allowed v
 
 where ``u`` is a pure function of its four integer arguments, computed by a uint32 integer hash that
-a
-Pallas kernel reproduces bit for bit (see ``pallas_kernels/fused_sampler.py``). No ``jax.random``
-array
-of shape [B, V] is ever drawn, so the noise a token sees does not depend on the batch it sits in, on
-the
-tree that proposed it, or on the engine that verified it.
-
-Hash: the "lowbias32" integer finaliser (C. Wellons, hash-prospector) chained over the four words.
-Uniform: the top 23 bits, centred, so u lies strictly inside (0, 1) and the Gumbel is finite
-(24 bits would not do: (2^24 - 1) + 0.5 is not a float32 and rounds to 2^24: u = 1, Gumbel = +inf).
+a Pallas kernel reproduces bit for bit (``pallas_kernels/counter_hash.py``, used by both). No
+``jax.random`` array of shape [B, V] is ever drawn, so the noise a token sees does not depend on the
+batch it sits in, on the tree that proposed it, or on the engine that verified it. Logits are
+tempered by a multiply with one precomputed f32 ``1 / T`` (``inverse_temperature``), the same
+constant the fused Pallas sampler uses, so both paths see the same numbers.
 """
 
 from __future__ import annotations
@@ -25,49 +20,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-_SEED_SALT = 0x9E3779B9
+from pallas_kernels.counter_hash import (
+    gumbel_from_bits,
+    inverse_temperature,
+    mix32,
+    row_key,
+    token_bits,
+    uniform_from_bits,
+)
+
+__all__ = ["SamplingConfig", "allowed_logits", "first_argmax", "gumbel_from_bits", "gumbel_noise",
+           "inverse_temperature", "mix32", "row_key", "sample", "sample_from_hidden",
+           "token_bits", "token_logprobs", "uniform_from_bits"]
+
 _NEG = -1e30  # masked logit: large negative finite value (stays NaN-free in kernels)
-
-
-def mix32(x):
-  """lowbias32 finaliser on uint32 arrays (wrapping multiplies). Works in jnp and inside Pallas."""
-  x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x7FEB352D)
-  x = x ^ (x >> 15)
-  x = x * jnp.uint32(0x846CA68B)
-  x = x ^ (x >> 16)
-  return x
-
-
-def row_key(seed, sample_id, position):
-  """uint32 key of one (seed, sample id, absolute position); broadcasts. Token ids mix in later."""
-  def u32(a):  # Python ints up to 2**32 wrap like astype(uint32) does for int32 arrays
-    if isinstance(a, int):
-      return jnp.uint32(a & 0xFFFFFFFF)
-    return jnp.asarray(a).astype(jnp.uint32)
-
-  h = mix32(u32(seed) ^ jnp.uint32(_SEED_SALT))
-  h = mix32(h ^ u32(sample_id))
-  h = mix32(h + jnp.uint32(0x632BE5AB) ^ u32(position))
-  return h
-
-
-def token_bits(key, token_ids):
-  """uint32 noise bits for ``token_ids`` under row key ``key`` (broadcasts)."""
-  t = token_ids.astype(jnp.uint32)
-  return mix32(key ^ (t * jnp.uint32(0x85EBCA6B) + jnp.uint32(0xC2B2AE35)))
-
-
-def uniform_from_bits(bits):
-  """Top 23 bits -> (k + 0.5) / 2^23 in float32: exactly representable, in [2^-24, 1 - 2^-24].
-
-  (k + 0.5 needs 24 significant bits, the most float32 holds; with 24 bits of k it would round.)
-  """
-  return ((bits >> 9).astype(jnp.float32) + 0.5) * jnp.float32(1.0 / (1 << 23))
-
-
-def gumbel_from_bits(bits):
-  return -jnp.log(-jnp.log(uniform_from_bits(bits)))
 
 
 def gumbel_noise(seed, sample_id, position, vocab_size: int) -> Float[Array, "*R V"]:
@@ -118,7 +84,7 @@ def allowed_logits(logits: Float[Array, "*R V"], cfg: SamplingConfig) -> Float[A
   """
   x = logits.astype(jnp.float32)
   if not cfg.greedy:
-    x = x / jnp.float32(cfg.temperature)
+    x = x * inverse_temperature(cfg.temperature)
   if cfg.greedy or cfg.plain:
     return x
   vocab = x.shape[-1]

@@ -1,0 +1,21 @@
+"""Command-line helpers for the experiment scripts: bad flags end in one line and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import NoReturn
+
+
+def fail(flag: str, value, why: str) -> NoReturn:
+  """Print ``error: FLAG=VALUE: WHY`` on stderr and exit with status 2 (argparse's usage code)."""
+  print(f"error: {flag}={value!r}: {why}", file=sys.stderr)
+  raise SystemExit(2)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+  """argparse whose errors are one line (no usage block) with exit status 2."""
+
+  def error(self, message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
