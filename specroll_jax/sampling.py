@@ -21,13 +21,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.counter_hash import (
-    gumbel_from_bits,
-    inverse_temperature,
-    mix32,
-    row_key,
-    token_bits,
-    uniform_from_bits,
+  gumbel_from_bits,
+  inverse_temperature,
+  mix32,
+  row_key,
+  token_bits,
+  uniform_from_bits,
 )
+from pallas_kernels.fused_sampler import fused_sample
+from specroll_jax.kernels import REFERENCE, Kernels
+from specroll_jax.models import decoder as _dec
 
 __all__ = ["SamplingConfig", "allowed_logits", "first_argmax", "gumbel_from_bits", "gumbel_noise",
            "inverse_temperature", "mix32", "row_key", "sample", "sample_from_hidden",
@@ -146,23 +149,21 @@ def token_logprobs(logits: Float[Array, "*R V"], tokens: Int[Array, "*R"], cfg: 
   return jnp.take_along_axis(x, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
 
 
-def sample_from_hidden(config, params, hidden, seed, sample_ids, positions, cfg: SamplingConfig, *,
-                       impl: str = "reference"):
+def sample_from_hidden(config, params, hidden, seed, sample_ids, positions, cfg: SamplingConfig,
+                       kernels: Kernels = REFERENCE):
   """Sample from pre-norm hidden states [..., D] (final norm + unembedding + ``sample``).
 
-  impl "pallas" / "pallas_interpret": for plain sampling (no top-k/top-p) the fused Pallas kernel
-  computes the token and its logprob without writing [..., V] logits (``pallas_kernels.
-  fused_sampler``); a non-finite logprob flags the row. Otherwise the jnp path below.
+  With ``kernels.sampler == "pallas"`` and plain sampling (no top-k/top-p) the fused Pallas kernel
+  computes the token and its logprob without writing [..., V] logits
+  (``pallas_kernels.fused_sampler``); a non-finite logprob flags the row. Otherwise the jnp path.
   """
-  from specroll_jax.models import decoder as _dec
-  if impl in ("pallas", "pallas_interpret") and cfg.plain:
-    from pallas_kernels.fused_sampler import fused_sample
+  if kernels.sampler == "pallas" and cfg.plain:
     lead = hidden.shape[:-1]
     normed = _dec.final_norm(config, params, hidden).reshape(-1, hidden.shape[-1])
     flat = lambda a: jnp.broadcast_to(jnp.asarray(a), lead).reshape(-1).astype(jnp.int32)
     tok, lp = fused_sample(normed, _dec.unembedding(config, params).astype(normed.dtype), seed,
                            flat(sample_ids), flat(positions), temperature=float(cfg.temperature),
-                           interpret=impl == "pallas_interpret")
+                           interpret=kernels.interpret)
     return tok.reshape(lead), lp.reshape(lead), ~jnp.isfinite(lp.reshape(lead))
   logits = _dec.logits_from_hidden(config, params, hidden)
   return sample(logits, seed, sample_ids, positions, cfg)

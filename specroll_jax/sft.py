@@ -80,7 +80,7 @@ def encode_examples(tok: Tokenizer, examples, seq_len: int):
 
 
 def lm_loss(config, params, tokens, mask):
-  logits = models.forward(config, params, tokens[:, :-1], attn_impl="reference")
+  logits = models.forward(config, params, tokens[:, :-1], kernels="reference")
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
   m = mask[:, :-1]
   return (ce * m).sum() / jnp.maximum(m.sum(), 1.0)

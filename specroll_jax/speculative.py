@@ -1,173 +1,251 @@
-"""The speculative engine: heads propose a sparse tree, the target verifies it exactly.
+"""The speculative engine: propose a tree per row, verify it exactly, commit the target's samples.
 
-The decode runs bucket by bucket: a bucket is a compiled ``lax.while_loop`` over (rows, N) static
-shapes (rows slots, N tree nodes per row). When few enough rows remain active the host compacts the
-active rows (KV cache included) into the next smaller bucket, whose rows get larger trees
-(N = min(max_nodes, node_budget // rows)): the long tail of GRPO responses gets big trees cheaply.
+Concurrency-aware buckets (DESIGN.md): a batch of B rows runs in a few compiled (rows, N) buckets
+with rows * N about the node budget. Each bucket is a ``lax.while_loop`` that exits once no more
+rows are active than the next bucket holds; then an in-graph compaction moves the active slots
+first and keeps that many (one ``tree_map`` over the per-slot state: KV cache, history and the
+proposer's per-row state move with their row). The whole rollout is one traceable function,
+``speculative_rollout``, that a caller may run inside its own ``jax.jit`` / ``jax.shard_map``; no
+host round trip between buckets. A bucket with N = 0 runs the vanilla decode step (no proposer, no
+tree), so it costs what a vanilla step costs.
 
-Outputs are written to global [B, M] arrays by each slot's global row index, so compaction never
-moves results, and sampling depends on (seed, sample id, position, token) only: the result is the
-vanilla rollout, token for token.
+Loop state by lifetime: ``Slots`` (every leaf [R, ...], compacted), ``responses.Outputs`` ([B, ...],
+written by global row) and ``Counters`` (scalars and per-depth sums).
+
+Every token is sampled with the counter-based noise of (seed, sample id, position, token), exactly
+as the vanilla engine samples it, so the result is the vanilla rollout token for token, whatever
+the proposer proposes.
 """
 
 from __future__ import annotations
 
-import functools
-import time
+from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from specroll_jax import heads as _heads
-from specroll_jax import responses as _responses
+from specroll_jax import responses as _resp
 from specroll_jax import tree as _tree
 from specroll_jax import verify as _verify
+from specroll_jax._vma import vary_like
+from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.models import decoder as _dec
+from specroll_jax.proposers.base import Feedback, ProposeInput, Proposer, RowsInit, Target
+from specroll_jax.results import Rollout, RolloutStats, SpecStats
+from specroll_jax.vanilla import decode_step
+
+
+@flax.struct.dataclass
+class Slots:
+  """Per-slot state: every leaf has a leading [R] axis and moves with its row on compaction."""
+
+  cache: _dec.KVCache  # committed tokens 0..L-1 of each row
+  root: Int[Array, " R"]  # last emitted token at position L: the next tree's root (not cached)
+  hidden: Float[Array, "R D"]  # pre-norm hidden at the root's anchor (what proposers read)
+  row: Int[Array, " R"]  # global row index of the slot
+  sample_ids: Int[Array, " R"]
+  n_out: Int[Array, " R"]  # tokens emitted
+  done: Bool[Array, " R"]
+  history: Int[Array, "R C"]  # token at each position (prompt + response), -1 unknown
+  proposer: Any  # the proposer's per-row state
+
+
+@flax.struct.dataclass
+class Counters:
+  forwards: Int[Array, ""]  # verify / decode forwards after the prefill
+  row_forwards: Int[Array, ""]  # active rows summed over forwards (prefill: all rows)
+  depth_proposed: Int[Array, " Kd"]
+  depth_accepted: Int[Array, " Kd"]
+  nodes_verified: Int[Array, ""]
+  active_trace: Int[Array, " F"]  # active rows at forward f
+  bucket_forwards: Int[Array, " S"]  # forwards run in bucket s
+  proposer: Any  # the proposer's statistics, summed
 
 
 @flax.struct.dataclass
 class SpecState:
-  # per slot [R]
-  cache: _dec.KVCache
-  root: Int[Array, " R"]  # last emitted token: the next tree's root (not yet in the cache)
-  h: Float[Array, "R D"]  # pre-norm hidden at the root's anchor (what the heads read)
-  row: Int[Array, " R"]  # global row index of the slot
-  sample_ids: Int[Array, " R"]
-  n_out: Int[Array, " R"]
-  done: Bool[Array, " R"]
-  proposer: tuple  # proposer state (empty for static heads; Reflex plugs in here)
-  # global [B, ...]
-  out: _responses.Outputs  # [B, M] tokens / logprobs (/ hidden), by global row
-  lengths: Int[Array, " B"]
-  nonfinite: Bool[Array, " B"]
-  # stats
-  forwards: Int[Array, ""]
-  row_forwards: Int[Array, ""]
-  head_proposed: Int[Array, " K"]
-  head_accepted: Int[Array, " K"]
-  nodes_verified: Int[Array, ""]
-  active_trace: Int[Array, " F"]  # active rows at forward f (f < max_new + 1)
+  slots: Slots
+  out: _resp.Outputs
+  counters: Counters
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "cache_length",
-                                             "attn_impl", "return_hidden", "num_heads"))
-def _prefill(config, params, tokens, lengths, sample_ids, eos_ids, seed, *, sampling, max_new,
-             cache_length, attn_impl, return_hidden, num_heads):
-  b = tokens.shape[0]
-  st = _responses.start(config, params, tokens, lengths, sample_ids, eos_ids, seed,
-                        sampling=sampling, max_new=max_new, cache_length=cache_length,
-                        attn_impl=attn_impl, return_hidden=return_hidden)
-  zk = jnp.zeros((num_heads,), jnp.int32)
-  return SpecState(cache=st.cache, root=st.token, h=st.hidden, row=jnp.arange(b, dtype=jnp.int32),
-                   sample_ids=sample_ids, n_out=st.n_out, done=st.done, proposer=(), out=st.out,
-                   lengths=st.n_out, nonfinite=st.nonfinite, forwards=jnp.int32(0),
-                   row_forwards=jnp.int32(b), head_proposed=zk, head_accepted=zk,
-                   nodes_verified=jnp.int32(0), active_trace=jnp.zeros((max_new + 1,), jnp.int32))
+def bucket_shapes(spec: SpecConfig, proposer: Proposer, batch: int) -> tuple[tuple[int, int], ...]:
+  """The (rows, N) buckets a batch of ``batch`` rows runs through (static)."""
+  return tuple(spec.bucket_shapes(batch, proposer.capacity))
 
 
-def spec_step(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, max_new, num_nodes,
-              topk, attn_impl) -> SpecState:
-  """One speculative step for every slot: propose, plan, verify, commit."""
-  k_heads = len(topk)
-  active = ~s.done
-  head_lp = jax.nn.log_softmax(_heads.apply(config, params, heads, s.h), axis=-1)  # [R, K, V]
-  budget = jnp.where(active, num_nodes, 0)
-  tr = _tree.plan(s.root, head_lp, budget, num_nodes=num_nodes, topk=topk)
-  res = _verify.verify(config, params, tr, s.cache, seed, s.sample_ids, sampling,
-                       max_depth=k_heads, attn_impl=attn_impl)
-  d1 = k_heads + 1
+def init_state(config, params, proposer: Proposer, proposer_params, prompt_tokens, prompt_lengths,
+               sample_ids, eos_ids, seed, *, settings: DecodeSettings,
+               spec: SpecConfig) -> SpecState:
+  """Prefill, first token, the proposer's per-row state and zero counters."""
+  b, p = prompt_tokens.shape
+  c = settings.cache_length
+  params = _dec.unstack_layers(params)
+  st = _resp.start(config, params, prompt_tokens, prompt_lengths, sample_ids, eos_ids, seed,
+                   settings)
+  rows = jnp.arange(b, dtype=jnp.int32)
+  known = jnp.arange(p)[None] < prompt_lengths[:, None]
+  w = min(p, c)  # padding past the cache length holds no prompt token
+  history = jnp.full((b, c), -1, jnp.int32).at[:, :w].set(
+      jnp.where(known, prompt_tokens, -1).astype(jnp.int32)[:, :w])
+  history = history.at[rows, prompt_lengths].set(st.token, mode="drop")
+  target = Target(config=config, params=params)
+  pstate = proposer.init(target, proposer_params, RowsInit(
+      prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths, sample_ids=sample_ids, row=rows,
+      first_token=st.token, hidden=st.hidden))
+  slots = Slots(cache=st.cache, root=st.token, hidden=st.hidden, row=rows, sample_ids=sample_ids,
+                n_out=st.n_out, done=st.done, history=history, proposer=pstate)
+  kd = proposer.max_depth
+  zk = jnp.zeros((kd,), jnp.int32)
+  counters = Counters(
+      forwards=jnp.int32(0), row_forwards=jnp.int32(b), depth_proposed=zk, depth_accepted=zk,
+      nodes_verified=jnp.int32(0),
+      active_trace=jnp.zeros((settings.max_new_tokens + 1,), jnp.int32),
+      bucket_forwards=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
+      proposer=proposer.init_stats())
+  state = SpecState(slots=slots, out=st.out, counters=counters)
+  return vary_like(state, params, proposer_params, prompt_tokens, prompt_lengths, sample_ids,
+                   eos_ids, seed)
+
+
+def compact(slots: Slots, rows: int) -> Slots:
+  """Active slots first, ``rows`` slots kept (static); every per-slot leaf moves with its row."""
+  order = jnp.argsort(slots.done, stable=True)[:rows]
+  return jax.tree.map(lambda x: x[order], slots)
+
+
+def _pad_cols(x, width: int, value=0):
+  """Pad axis 1 of x up to ``width``."""
+  extra = width - x.shape[1]
+  if extra <= 0:
+    return x
+  cfg = [(0, 0)] * x.ndim
+  cfg[1] = (0, extra)
+  return jnp.pad(x, cfg, constant_values=value)
+
+
+def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState, eos_ids, seed, *,
+              settings: DecodeSettings, num_nodes: int, bucket: int) -> SpecState:
+  """One speculative step for every slot: propose, verify, commit, feed back (N = num_nodes)."""
+  sl = s.slots
+  d1 = proposer.max_depth + 1
+  active = ~sl.done
+  length = sl.cache.lengths  # L: position of the root
+  target = Target(config=config, params=params)
+  pstate = sl.proposer
+  if num_nodes == 0:  # nothing to propose: the vanilla decode step
+    hid, cache, tok, lp, nf = decode_step(config, params, sl.root, sl.cache, active, seed,
+                                          sl.sample_ids, settings)
+    tr = _tree.root_only(sl.root)
+    r = sl.root.shape[0]
+    path_len = jnp.ones((r,), jnp.int32)
+    tokens, logprobs = _pad_cols(tok[:, None], d1), _pad_cols(lp[:, None], d1)
+    nonfinite = _pad_cols(nf[:, None], d1, False)
+    path_hidden = _pad_cols(hid[:, None], d1)
+    path = jnp.zeros((r, d1), jnp.int32)
+    target_tokens, accepted = tok[:, None], jnp.ones((r, 1), bool)
+  else:
+    budget = jnp.where(active, num_nodes, 0)
+    tr, pstate = proposer.propose(target, proposer_params, pstate, ProposeInput(
+        hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
+        row=sl.row, sample_ids=sl.sample_ids), num_nodes=num_nodes)
+    res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
+                         max_depth=proposer.max_depth, kernels=settings.kernels)
+    path_len, tokens, logprobs, nonfinite = res.path_len, res.tokens, res.logprobs, res.nonfinite
+    path_hidden, path = res.hidden, res.path
+    target_tokens, accepted = res.target_tokens, res.accepted
   j = jnp.arange(d1)[None]
-  nf_cum = jnp.cumsum(res.nonfinite, axis=1) > 0  # token j unusable from the first NaN on
-  avail = active[:, None] & (j < res.path_len[:, None]) & ~nf_cum
-  keep, done = _responses.stop_mask(res.tokens, s.n_out, eos_ids, max_new, avail)
-  row_nf = active & (nf_cum & (j < res.path_len[:, None])).any(1)
-  # Commit: path node j's K/V at L + j, for every emitted token (the root and accepted nodes).
-  L = s.cache.lengths
-  slots = jnp.where(keep, L[:, None] + j, -1)
-  cache = _dec.write_cache(s.cache, res.k_path, res.v_path, slots)
-  cache = cache.replace(lengths=L + keep.sum(1).astype(jnp.int32))
-  out = _responses.append(s.out, s.row, s.n_out, keep, res.tokens, res.logprobs, res.hidden)
-  n_out = s.n_out + keep.sum(1).astype(jnp.int32)
-  last = jnp.maximum(res.path_len - 1, 0)
-  new_root = jnp.take_along_axis(res.tokens, last[:, None], axis=1)[:, 0]
-  new_h = jnp.take_along_axis(res.hidden, last[:, None, None], axis=1)[:, 0]
-  new_done = s.done | done | row_nf
-  lengths = s.lengths.at[s.row].set(jnp.where(active, n_out, s.lengths[s.row]))
-  nonfinite = s.nonfinite.at[s.row].max(row_nf)
-  depth_reached = jnp.where(active, res.path_len - 1, -1)
+  em = _resp.emit(s.out, sl.row, sl.n_out, sl.done, tokens, logprobs, path_hidden, nonfinite,
+                  j < path_len[:, None], eos_ids, settings.max_new_tokens)
+  if num_nodes > 0:  # commit path node j's K/V at L + j for every emitted token j
+    cache = _dec.write_cache(sl.cache, res.k_path, res.v_path,
+                             jnp.where(em.keep, length[:, None] + j, -1))
+    cache = cache.replace(lengths=length + em.keep.sum(1).astype(jnp.int32))
+  last = jnp.maximum(path_len - 1, 0)
+  new_root = jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0]
+  new_hidden = jnp.take_along_axis(path_hidden, last[:, None, None], axis=1)[:, 0]
+  c = sl.history.shape[1]
+  r_idx = jnp.broadcast_to(jnp.arange(sl.root.shape[0])[:, None], em.keep.shape)
+  history = sl.history.at[r_idx, jnp.where(em.keep, length[:, None] + 1 + j, c)].set(
+      tokens, mode="drop")
+  topm_logits = topm_ids = None
+  if proposer.feedback_topm > 0:
+    logits = _dec.logits_from_hidden(config, params, path_hidden)  # [R, D1, V]: path nodes only
+    topm_logits, topm_ids = jax.lax.top_k(logits, proposer.feedback_topm)
+  fb = Feedback(tree=tr, target_tokens=target_tokens, accepted=accepted, path=path,
+                path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
+                position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
+                done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_logits=topm_logits,
+                topm_ids=topm_ids)
+  pstate, pstats = proposer.update(target, proposer_params, pstate, fb)
+  slots = sl.replace(cache=cache, root=jnp.where(active, new_root, sl.root),
+                     hidden=jnp.where(active[:, None], new_hidden, sl.hidden), n_out=em.n_out,
+                     done=em.done, history=history, proposer=pstate)
+  ct = s.counters
+  n_active = active.sum().astype(jnp.int32)
+  ks = jnp.arange(1, proposer.max_depth + 1)[None]
   tree_depth = jnp.where(active, jnp.max(jnp.where(tr.valid, tr.depth, 0), axis=1), -1)
-  ks = jnp.arange(1, k_heads + 1)[None]
-  return s.replace(
-      cache=cache, root=jnp.where(active, new_root, s.root),
-      h=jnp.where(active[:, None], new_h, s.h), n_out=n_out, done=new_done,
-      out=out, lengths=lengths,
-      nonfinite=nonfinite, forwards=s.forwards + 1, row_forwards=s.row_forwards + active.sum(),
-      active_trace=s.active_trace.at[s.forwards].add(active.sum().astype(jnp.int32), mode="drop"),
-      head_proposed=s.head_proposed + (tree_depth[:, None] >= ks).sum(0).astype(jnp.int32),
-      head_accepted=s.head_accepted + (depth_reached[:, None] >= ks).sum(0).astype(jnp.int32),
-      nodes_verified=s.nodes_verified + (tr.valid.sum(1) - 1).sum().astype(jnp.int32))
+  acc_depth = jnp.where(active, path_len - 1, -1)
+  counters = ct.replace(
+      forwards=ct.forwards + 1, row_forwards=ct.row_forwards + n_active,
+      depth_proposed=ct.depth_proposed + (tree_depth[:, None] >= ks).sum(0).astype(jnp.int32),
+      depth_accepted=ct.depth_accepted + (acc_depth[:, None] >= ks).sum(0).astype(jnp.int32),
+      nodes_verified=ct.nodes_verified + jnp.where(active, tr.valid.sum(1) - 1, 0).sum().astype(
+          jnp.int32),
+      active_trace=ct.active_trace.at[ct.forwards].add(n_active, mode="drop"),
+      bucket_forwards=ct.bucket_forwards.at[bucket].add(1),
+      proposer=jax.tree.map(jnp.add, ct.proposer, pstats))
+  return SpecState(slots=slots, out=em.out, counters=counters)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "sampling", "max_new", "num_nodes", "topk",
-                                             "attn_impl", "exit_rows"),
-                   donate_argnames=("s",))
-def _run_bucket(config, params, heads, s: SpecState, eos_ids, seed, *, sampling, max_new,
-                num_nodes, topk, attn_impl, exit_rows):
-  """Loop in this bucket until at most ``exit_rows`` rows are active. ``s`` is donated."""
-  params = _dec.unstack_layers(params)  # per-layer slices taken once, outside the loop
-  def cond(s):
-    n_active = jnp.sum(~s.done)
+def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecState, eos_ids,
+               seed, *, settings: DecodeSettings, spec: SpecConfig, bucket: int) -> SpecState:
+  """Compact into bucket ``bucket`` (static) and loop there until few enough rows are active."""
+  params = _dec.unstack_layers(params)
+  shapes = bucket_shapes(spec, proposer, state.out.tokens.shape[0])
+  rows, n = shapes[bucket]
+  slots = state.slots
+  if rows < slots.root.shape[0]:
+    slots = compact(slots, rows)
+  exit_rows = shapes[bucket + 1][0] if bucket + 1 < len(shapes) else 0
+
+  def cond(s: SpecState):
+    n_active = jnp.sum(~s.slots.done)
     return (n_active > 0) & (n_active > exit_rows)
 
-  body = functools.partial(spec_step, config, params, heads, eos_ids=eos_ids, seed=seed,
-                           sampling=sampling, max_new=max_new, num_nodes=num_nodes, topk=topk,
-                           attn_impl=attn_impl)
-  return jax.lax.while_loop(cond, body, s)
+  def body(s: SpecState) -> SpecState:
+    return spec_step(config, params, proposer, proposer_params, s, eos_ids, seed,
+                     settings=settings, num_nodes=n, bucket=bucket)
+
+  return jax.lax.while_loop(cond, body, state.replace(slots=slots))
 
 
-@functools.partial(jax.jit, static_argnames=("rows",))
-def _compact(s: SpecState, *, rows: int) -> SpecState:
-  """Move the active slots first and keep ``rows`` slots (the KV cache moves with them)."""
-  order = jnp.argsort(s.done, stable=True)[:rows]
-  g = lambda x: x[order]
-  cache = s.cache.take_rows(order)
-  return s.replace(cache=cache, root=g(s.root), h=g(s.h), row=g(s.row),
-                   sample_ids=g(s.sample_ids), n_out=g(s.n_out), done=g(s.done),
-                   proposer=jax.tree.map(g, s.proposer))
+def finish(state: SpecState, settings: DecodeSettings) -> Rollout:
+  out, ct = state.out, state.counters
+  tokens, logprobs = _resp.finish(out, settings.pad_id)
+  spec_stats = SpecStats(depth_proposed=ct.depth_proposed, depth_accepted=ct.depth_accepted,
+                         nodes_verified=ct.nodes_verified, active_trace=ct.active_trace,
+                         bucket_forwards=ct.bucket_forwards, proposer=ct.proposer)
+  stats = RolloutStats(target_forwards=ct.forwards, row_forwards=ct.row_forwards,
+                       tokens=out.lengths.sum(), nonfinite=out.nonfinite, spec=spec_stats)
+  return Rollout(tokens=tokens, lengths=out.lengths, logprobs=logprobs, stats=stats,
+                 hidden=out.hidden)
 
 
-def generate(config, params, heads, batch, *, sampling, spec, max_new, seed, attn_impl,
-             return_hidden):
-  """Speculative rollout of a prepared batch (see ``rollout.generate``). Returns the raw outputs."""
-  _heads.validate(config, heads, spec.num_heads)
-  b = batch.tokens.shape[0]
-  s = _prefill(config, params, jnp.asarray(batch.tokens), jnp.asarray(batch.lengths),
-               jnp.asarray(batch.sample_ids), jnp.asarray(batch.eos_ids), jnp.uint32(seed),
-               sampling=sampling, max_new=max_new, cache_length=batch.cache_length,
-               attn_impl=attn_impl, return_hidden=return_hidden, num_heads=spec.num_heads)
-  eos = jnp.asarray(batch.eos_ids)
-  shapes = spec.bucket_shapes(b)
-  times = []
-  for i, (rows, n) in enumerate(shapes):
-    if not bool(jnp.any(~s.done)):
-      break
-    if rows < s.root.shape[0]:
-      s = _compact(s, rows=rows)
-    exit_rows = shapes[i + 1][0] if i + 1 < len(shapes) else 0
-    f0 = int(s.forwards)
-    t0 = time.perf_counter()
-    s = _run_bucket(config, params, heads, s, eos, jnp.uint32(seed), sampling=sampling,
-                    max_new=max_new, num_nodes=n, topk=spec.topk, attn_impl=attn_impl,
-                    exit_rows=exit_rows)
-    steps = int(s.forwards) - f0  # syncs: also the wall-clock end of the bucket
-    times.append((rows, n, steps, time.perf_counter() - t0))
-  from specroll_jax.rollout import RolloutStats
-  stats = RolloutStats(target_forwards=s.forwards, row_forwards=s.row_forwards,
-                       tokens=s.lengths.sum(), nonfinite=s.nonfinite,
-                       head_proposed=s.head_proposed, head_accepted=s.head_accepted,
-                       nodes_verified=s.nodes_verified,
-                       active_trace=s.active_trace[: max(int(s.forwards), 1)],
-                       bucket_times=tuple(times))
-  return s.out.tokens, s.out.logprobs, s.out.hidden, s.lengths, stats
+def speculative_rollout(config, params, proposer: Proposer, proposer_params, prompt_tokens,
+                        prompt_lengths, sample_ids, eos_ids, seed, *, settings: DecodeSettings,
+                        spec: SpecConfig) -> Rollout:
+  """Sample one response per row with speculative decoding: the vanilla rollout, token for token.
+
+  Traceable (no host work): every bucket runs inside the caller's trace. Arguments as in
+  ``vanilla.vanilla_rollout``, plus the proposer (static settings), its parameters (traced) and
+  ``spec`` (static). ``config``, ``proposer``, ``settings`` and ``spec`` are static.
+  """
+  state = init_state(config, params, proposer, proposer_params, prompt_tokens, prompt_lengths,
+                     sample_ids, eos_ids, seed, settings=settings, spec=spec)
+  for i in range(len(bucket_shapes(spec, proposer, prompt_tokens.shape[0]))):
+    state = run_bucket(config, params, proposer, proposer_params, state, eos_ids, seed,
+                       settings=settings, spec=spec, bucket=i)
+  return finish(state, settings)

@@ -1,21 +1,27 @@
-"""Sparse speculation trees with static shapes (DESIGN.md, "One speculative step", step 2).
+"""Speculation trees with static shapes (DESIGN.md, "One speculative step", steps 2 and 4).
 
-The candidate tree is the product tree of the heads' per-depth top-k candidates (k_1, ..., k_K): a
-node
-at depth d is (parent at depth d-1, one of head d's top-k_d tokens); its score is the cumulative
-log-probability along its path. The planner
+A ``Tree`` holds, per row, node 0 = the root (the target's already-sampled next token, depth 0) and
+N more nodes, each with a parent, a depth and a validity bit; ``mask`` is the ancestor-or-self
+relation the verify forward attends with. Any proposer may build one; this module has the builders
+the library's proposers use:
 
-  1. reserves the trunk (the top-1 of every head, chained) first, so deep heads are never starved;
-  2. fills the rest of the row's node budget n with the highest-scoring nodes among children of
-  nodes
-     already in the tree.
+* ``plan``: the heads' sparse tree. The candidate tree is the product tree of the heads' per-depth
+  top-k candidates (k_1, ..., k_K): a node at depth d is (parent at depth d-1, one of head d's
+  top-k_d tokens); its score is the cumulative log-probability along its path. The planner reserves
+  the trunk (the top-1 of every head, chained) first, so deep heads are never starved, then fills
+  the rest of the row's node budget with the highest-scoring nodes among children of nodes already
+  in the tree. A child's score is its parent's plus a log-probability (<= 0, made strictly
+  negative), so greedy best-first expansion picks exactly the n highest-scoring nodes, and sorting
+  them by score puts every parent before its children: the tree is prefix-closed and
+  topologically ordered by construction, with no duplicate (parent, token).
+* ``chain``: a single path (e.g. prompt-lookup continuations).
+* ``merge_chain``: a chain grafted onto a tree within the row's budget, sharing identical paths.
 
-Because a child's score is its parent's plus a log-probability (<= 0, and made strictly negative),
-greedy best-first expansion picks exactly the n highest-scoring nodes, and sorting them by score
-puts
-every parent before its children: the tree is prefix-closed and topologically ordered by
-construction, with no duplicate (parent, token) (a head's top-k tokens are distinct).
-Node 0 is the root (the target's already-sampled next token, depth 0).
+``accept`` is exact verification: a node is accepted iff its parent is and its token equals the
+target's own sample at the parent.
+
+Priority order: the builders keep nodes in an order where dropping valid nodes from the end keeps
+the tree prefix-closed (a node's children come after it). ``merge_chain`` relies on it.
 """
 
 from __future__ import annotations
@@ -37,9 +43,21 @@ class Tree:
   tokens: Int[Array, "R N1"]  # node tokens, node 0 = root
   depth: Int[Array, "R N1"]  # root 0
   parent: Int[Array, "R N1"]  # index of the parent node; -1 for the root
-  mask: Bool[Array, "R N1 N1"]  # mask[i, j]: j is an ancestor of i or i itself
+  mask: Bool[Array, "R N1 N1"]  # mask[i, j]: j is an ancestor of i or i itself (valid nodes)
   valid: Bool[Array, "R N1"]  # node is part of the tree (within the row's budget)
-  slot: Int[Array, "R N1"]  # index in the candidate product tree (-1 for the root)
+
+  @property
+  def num_nodes(self) -> int:
+    """N: nodes besides the root (static)."""
+    return self.tokens.shape[1] - 1
+
+
+def root_only(root: Int[Array, " R"]) -> Tree:
+  """The tree of a step with no proposal: the root alone (N = 0)."""
+  r = root.shape[0]
+  z = jnp.zeros((r, 1), jnp.int32)
+  return Tree(tokens=root[:, None].astype(jnp.int32), depth=z, parent=z - 1,
+              mask=jnp.ones((r, 1, 1), bool), valid=jnp.ones((r, 1), bool))
 
 
 @functools.cache
@@ -77,9 +95,12 @@ def candidate_tree(topk: tuple[int, ...]):
 
 def plan(root: Int[Array, " R"], head_logprobs: Float[Array, "R K V"], budget: Int[Array, " R"], *,
          num_nodes: int, topk: tuple[int, ...]) -> Tree:
-  """Build each row's tree of at most ``num_nodes`` nodes (static) of which ``budget[r]`` are valid.
+  """Build each row's tree of ``num_nodes`` nodes (static) of which the first ``budget[r]`` are
+  valid (a row with budget 0 has the root alone).
 
-  head_logprobs[r, k-1] is head k's log-distribution over the token at depth k.
+  head_logprobs[r, k-1] is head k's log-distribution over the token at depth k. When every topk
+  entry is 1 the tree is the trunk alone and any per-head scores with the same argmax will do
+  (e.g. raw logits: no log-softmax needed).
   """
   r = root.shape[0]
   k_heads = len(topk)
@@ -107,9 +128,8 @@ def plan(root: Int[Array, " R"], head_logprobs: Float[Array, "R K V"], budget: I
     tok = tok.at[:, idx].set(cand_tok[d - 1][:, cand_p[idx]])
   key = jnp.where(trunk_p[None], _TRUNK_BONUS - depth_p[None].astype(jnp.float32), score)
   if num_nodes == 0:
-    sel = jnp.zeros((r, 0), jnp.int32)
-  else:
-    _, sel = jax.lax.top_k(key, num_nodes)  # [R, N], descending: parents before children
+    return root_only(root)
+  _, sel = jax.lax.top_k(key, num_nodes)  # [R, N], descending: parents before children
   n1 = num_nodes + 1
   valid = jnp.concatenate([jnp.ones((r, 1), bool),
                            jnp.arange(num_nodes)[None] < budget[:, None]], axis=1)
@@ -129,14 +149,13 @@ def plan(root: Int[Array, " R"], head_logprobs: Float[Array, "R K V"], budget: I
   mask = jnp.asarray(anc_p)[ext[:, :, None], ext[:, None, :]]
   mask = mask & valid[:, None, :] & valid[:, :, None]
   mask = mask | jnp.eye(n1, dtype=bool)[None]
-  return Tree(tokens=tokens, depth=depth, parent=parent, mask=mask, valid=valid, slot=slot)
+  return Tree(tokens=tokens, depth=depth, parent=parent, mask=mask, valid=valid)
 
 
 def accept(tree: Tree, target_tokens: Int[Array, "R N1"], max_depth: int):
   """Exact acceptance: node n is accepted iff its parent is and token(n) == the target's sample at
   the parent. Returns (accepted [R, N1] bool, path [R, max_depth + 1] node index at each depth of
-  the
-  accepted path, path_len [R] = D + 1)."""
+  the accepted path, path_len [R] = D + 1). ``max_depth`` bounds the depth of every valid node."""
   r, n1 = tree.tokens.shape
   par = jnp.maximum(tree.parent, 0)
   match = tree.valid & (tree.tokens == jnp.take_along_axis(target_tokens, par, axis=1))
@@ -149,3 +168,92 @@ def accept(tree: Tree, target_tokens: Int[Array, "R N1"], max_depth: int):
   path = jnp.argmax(on_depth, axis=-1).astype(jnp.int32)
   path_len = on_depth.any(-1).sum(-1).astype(jnp.int32)
   return acc, path, path_len
+
+
+def ancestor_mask(parent: Int[Array, "R N1"], valid: Bool[Array, "R N1"],
+                  max_depth: int) -> Bool[Array, "R N1 N1"]:
+  """mask[r, i, j]: valid j is an ancestor of valid i or i itself (diagonal for every node).
+
+  ``max_depth`` bounds the depth of every valid node (the walk up the parents takes that many hops).
+  """
+  r, n1 = parent.shape
+  eye = jnp.eye(n1, dtype=bool)[None]
+  mask = jnp.broadcast_to(eye, (r, n1, n1))
+  cur = parent
+  for _ in range(max_depth):
+    mask = mask | jax.nn.one_hot(cur, n1, dtype=bool)  # cur = -1 adds nothing
+    cur = jnp.where(cur >= 0, jnp.take_along_axis(parent, jnp.maximum(cur, 0), axis=1), -1)
+  return (mask & valid[:, None, :] & valid[:, :, None]) | eye
+
+
+def chain(root: Int[Array, " R"], tokens: Int[Array, "R C"], length: Int[Array, " R"], *,
+          num_nodes: int) -> Tree:
+  """A path root -> tokens[0] -> ... -> tokens[length - 1], cut to ``num_nodes`` nodes (static);
+  nodes past the row's length are invalid. Node j + 1 holds tokens[j] at depth j + 1."""
+  r, c = tokens.shape
+  n1 = num_nodes + 1
+  if num_nodes == 0:
+    return root_only(root)
+  pad = max(num_nodes - c, 0)
+  toks = jnp.pad(tokens[:, :num_nodes].astype(jnp.int32), ((0, 0), (0, pad)))
+  j = jnp.arange(n1)
+  depth = jnp.broadcast_to(jnp.minimum(j, c), (r, n1)).astype(jnp.int32)
+  valid = j[None] <= jnp.minimum(length, c)[:, None]
+  parent = jnp.broadcast_to(j - 1, (r, n1)).astype(jnp.int32)
+  mask = (j[None, :, None] >= j[None, None, :]) & valid[:, None, :] & valid[:, :, None]
+  mask = mask | jnp.eye(n1, dtype=bool)[None]
+  return Tree(tokens=jnp.concatenate([root[:, None].astype(jnp.int32), toks], axis=1),
+              depth=depth, parent=parent, mask=mask, valid=valid)
+
+
+def merge_chain(tree: Tree, tokens: Int[Array, "R C"], length: Int[Array, " R"],
+                budget: Int[Array, " R"], *, max_depth: int) -> Tree:
+  """Graft the chain root -> tokens[:length] onto ``tree``, within ``budget`` nodes per row.
+
+  The chain's leading nodes that the tree already holds (same parent, same token) are shared, not
+  duplicated; the chain's new nodes replace the tree's last valid nodes (priority order, see the
+  module docstring) that are not on the shared prefix, and fill invalid slots first. A chain longer
+  than the budget allows is cut. ``max_depth`` bounds every node's depth in the result.
+  """
+  r, n1 = tree.tokens.shape
+  c = tokens.shape[1]
+  idx = jnp.arange(n1)[None]
+  length = jnp.clip(length, 0, c)
+  # 1. Walk the chain down the tree while its tokens are already there.
+  cur = jnp.zeros((r,), jnp.int32)
+  shared = jnp.zeros((r,), jnp.int32)
+  alive = jnp.ones((r,), bool)
+  on_prefix = idx == 0
+  for d in range(c):
+    hit = tree.valid & (tree.parent == cur[:, None]) & (tree.tokens == tokens[:, d:d + 1])
+    found = hit.any(1) & alive & (d < length)
+    node = jnp.argmax(hit, axis=1).astype(jnp.int32)
+    cur = jnp.where(found, node, cur)
+    shared = shared + found
+    alive = alive & found
+    on_prefix = on_prefix | ((idx == node[:, None]) & found[:, None])
+  # 2. How many new chain nodes fit, and which tree nodes make room for them.
+  n_valid = tree.valid.sum(1) - 1
+  budget = jnp.maximum(budget, n_valid)  # a tree never holds more than its budget already
+  new = jnp.minimum(length - shared, budget - shared)
+  drop_n = jnp.maximum(n_valid + new - budget, 0)
+  removable = tree.valid & ~on_prefix
+  from_end = jnp.cumsum(removable[:, ::-1], axis=1)[:, ::-1]  # removable nodes at index >= i
+  valid = tree.valid & ~(removable & (from_end <= drop_n[:, None]))
+  # 3. Put chain node i (i < new) into the i-th free slot.
+  free = ~valid & (idx > 0)
+  free_rank = jnp.cumsum(free, axis=1) - 1
+  toks, depth, parent = tree.tokens, tree.depth, tree.parent
+  prev = cur
+  for i in range(c):
+    use = i < new
+    at = free & (free_rank == i) & use[:, None]
+    slot = jnp.argmax(at, axis=1).astype(jnp.int32)
+    tok = jnp.take_along_axis(tokens, jnp.minimum(shared + i, c - 1)[:, None], axis=1)
+    toks = jnp.where(at, tok, toks)
+    depth = jnp.where(at, (shared + 1 + i)[:, None], depth)
+    parent = jnp.where(at, prev[:, None], parent)
+    valid = valid | at
+    prev = jnp.where(use, slot, prev)
+  return Tree(tokens=toks, depth=depth, parent=parent, valid=valid,
+              mask=ancestor_mask(parent, valid, max_depth))

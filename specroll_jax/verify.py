@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import sampling as _sampling
+from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models import decoder as _dec
 from specroll_jax.tree import Tree, accept
 
@@ -34,14 +35,14 @@ class VerifyResult:
 
 def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: Int[Array, " R"],
            sampling: _sampling.SamplingConfig, *, max_depth: int,
-           attn_impl: str = "reference") -> VerifyResult:
-  """Run the verify forward for ``tree`` over ``cache`` (not modified) and accept exactly."""
+           kernels: Kernels = REFERENCE) -> VerifyResult:
+  """Run the verify forward for ``tree`` over ``cache`` (not modified) and accept exactly.
+  ``max_depth`` (static) bounds the depth of every valid node; path arrays have max_depth + 1."""
   positions = cache.lengths[:, None] + tree.depth
-  out = _dec.step(config, params, tree.tokens, positions, cache, tree.mask, attn_impl=attn_impl,
+  out = _dec.step(config, params, tree.tokens, positions, cache, tree.mask, kernels=kernels,
                   compute_logits=False)
   tgt, lp, nf = _sampling.sample_from_hidden(config, params, out.hidden, seed,
-                                             sample_ids[:, None], positions + 1, sampling,
-                                             impl=attn_impl)
+                                             sample_ids[:, None], positions + 1, sampling, kernels)
   acc, path, path_len = accept(tree, tgt, max_depth)
   take = lambda x: jnp.take_along_axis(x, path, axis=1)
   hidden = jnp.take_along_axis(out.hidden, path[:, :, None], axis=1)

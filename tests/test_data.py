@@ -7,8 +7,17 @@ import pytest
 from specroll_jax.data import gsm8k
 
 
-def test_module_is_not_shadowed_by_data_folder():
-  assert gsm8k.__file__.endswith("gsm8k.py")
+def test_records_ship_as_package_data_with_their_licence():
+  """The data sits beside a module of the same name: the import must resolve to the module and
+  the records (and the MIT licence) must be package resources, not files from a checkout."""
+  import importlib.resources
+  import inspect
+  assert inspect.isfunction(gsm8k.load) and gsm8k.SPLITS == ("train", "test")
+  root = importlib.resources.files("specroll_jax.data").joinpath("gsm8k")
+  for split, n in (("train", 7473), ("test", 1319)):
+    with root.joinpath(f"{split}.jsonl").open("r", encoding="utf-8") as f:
+      assert sum(1 for line in f if line.strip()) == n
+  assert "MIT" in root.joinpath("LICENSE").read_text()
 
 
 def test_counts():

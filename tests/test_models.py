@@ -368,6 +368,16 @@ def test_missing_safetensors(ckpt):
     load_pretrained(ckpt)
 
 
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_damaged_safetensors_names_the_file(ckpt, damage):
+  f = ckpt / "model.safetensors"
+  data = f.read_bytes()
+  f.write_bytes({"truncated": data[: len(data) // 2], "garbage": b"\x00not a safetensors file" * 9,
+                 "empty": b""}[damage])
+  with pytest.raises(ValueError, match=re.escape(str(f))):
+    load_pretrained(ckpt)
+
+
 def test_unknown_architecture(ckpt):
   _edit_config(ckpt, architectures=["GPT2LMHeadModel"], model_type="gpt2")
   with pytest.raises(ValueError, match=re.escape(

@@ -100,6 +100,24 @@ def test_bad_input(random_model):
     g([[1], [2]], sample_ids=[0])
   with pytest.raises(ValueError, match="seed must be an int"):
     g([[1]], seed=-1)
+  with pytest.raises(ValueError, match=r"prompts\[0\] holds 1.5 \(float\); token ids must be"):
+    g([[1.5, 2]])
+  with pytest.raises(ValueError, match="prompts must hold integer token ids, got dtype float32"):
+    g(np.ones((2, 3), np.float32))
+  with pytest.raises(ValueError, match=r"sample_ids holds duplicates \[3\]"):
+    g([[1], [1], [2]], sample_ids=[3, 3, 4])
+  with pytest.raises(ValueError, match=r"kernels must be one of \('auto', .*got 'cuda'"):
+    g([[1]], kernels="cuda")
+  with pytest.raises(ValueError, match="proposer_params is set but proposer is None"):
+    g([[1]], proposer_params=())
+
+
+def test_duplicate_sample_ids_on_request(random_model):
+  """Opting in to duplicates gives identical responses for identical (prompt, id) rows."""
+  config, params = random_model
+  r = rollout.generate(config, params, [[5, 6], [5, 6]], max_new_tokens=6, sample_ids=[9, 9],
+                       allow_duplicate_sample_ids=True)
+  np.testing.assert_array_equal(np.asarray(r.tokens[0]), np.asarray(r.tokens[1]))
 
 
 def test_padded_array_prompts(random_model):

@@ -165,15 +165,27 @@ def test_greedy_is_argmax(cfg):
 # --- (e) determinism and layout independence of the noise -----------------------------------------
 
 
-def test_same_inputs_same_outputs():
+def test_same_samples_across_programs_and_shapes():
+  """The sample of a row is a function of its logits and noise coordinates only: eager, jitted on
+  the batch, one row at a time and inside a larger padded batch all agree bit for bit."""
   rng = np.random.default_rng(1)
   logits = jnp.asarray(rng.normal(size=(32, 100)).astype(np.float32))
   sids, pos = jnp.arange(32) * 7, jnp.arange(32) + 100
   cfg = SamplingConfig(temperature=0.9, top_k=20, top_p=0.9)
-  a = _sample(logits, SEED, sids, pos, cfg)
-  b = _sample(logits, SEED, sids, pos, cfg)
-  for x, y in zip(a, b, strict=True):
-    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  batch = _sample(logits, SEED, sids, pos, cfg)
+  with jax.disable_jit():
+    eager = sampling.sample(logits[:4], SEED, sids[:4], pos[:4], cfg)
+  for x, y in zip(eager, batch, strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y)[:4])
+  for i in (0, 13, 31):
+    one = _sample(logits[i:i + 1], SEED, sids[i:i + 1], pos[i:i + 1], cfg)
+    for x, y in zip(one, batch, strict=True):
+      np.testing.assert_array_equal(np.asarray(x)[0], np.asarray(y)[i])
+  big = jnp.concatenate([logits, jnp.zeros((8, 100))])
+  padded = _sample(big, SEED, jnp.concatenate([sids, jnp.arange(8)]),
+                   jnp.concatenate([pos, jnp.arange(8)]), cfg)
+  for x, y in zip(padded, batch, strict=True):
+    np.testing.assert_array_equal(np.asarray(x)[:32], np.asarray(y))
 
 
 def test_noise_depends_on_every_coordinate():

@@ -7,6 +7,7 @@ import pytest
 
 from specroll_jax import heads as H
 from specroll_jax import models, rollout, sampling, tree, verify
+from specroll_jax.proposers import HeadsProposer
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 
 
@@ -14,6 +15,25 @@ def _assert_same(ref, got):
   np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
   np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+
+
+def assert_stats_invariants(got, shapes):
+  """Counters that must hold for every speculative rollout; ``shapes`` are its (rows, N) buckets."""
+  st, sp = got.stats, got.stats.spec
+  b = got.tokens.shape[0]
+  fwd = int(st.target_forwards)
+  trace = np.asarray(sp.active_trace)
+  assert (trace[fwd:] == 0).all() and (trace[:fwd] > 0).all()
+  assert int(st.row_forwards) == b + int(trace.sum())
+  assert int(st.tokens) == int(np.asarray(got.lengths).sum())
+  proposed, accepted = np.asarray(sp.depth_proposed), np.asarray(sp.depth_accepted)
+  assert (accepted <= proposed).all() and (np.diff(proposed) <= 0).all()
+  per_bucket = np.asarray(sp.bucket_forwards)
+  assert per_bucket.sum() == fwd
+  n_of_forward = np.repeat([n for _, n in shapes], per_bucket)  # buckets run in order
+  assert int(sp.nodes_verified) <= int((trace[:fwd] * n_of_forward).sum())
+  # a row-step commits at most depth + 1 tokens
+  assert int(st.tokens) - b <= int(trace.sum()) + int(accepted.sum())
 
 
 @pytest.fixture(scope="module")
@@ -24,9 +44,8 @@ def fitted_heads(trained_model, gsm8k_prompts):
   r = rollout.generate(config, params, gsm8k_prompts, sampling=cfg, max_new_tokens=96, seed=11,
                        return_hidden=True, sample_ids=np.arange(1000, 1016))
   heads = H.init(jax.random.key(0), config, 3)
-  heads, hist = H.fit_heads(config, params, heads, r.tokens, r.lengths, r.hidden, steps=200,
-                            progress=False)
-  assert hist[-1].mean() < hist[0].mean()
+  heads, _ = H.fit_heads(config, params, heads, r.tokens, r.lengths, r.hidden, steps=200,
+                         progress=False)
   return heads
 
 
@@ -56,7 +75,7 @@ def test_speculative_equals_vanilla(trained_model, gsm8k_prompts, fitted_heads, 
   got = rollout.generate(config, params, prompts, spec=spec, heads=hd, **kw)
   _assert_same(ref, got)
   st = got.stats
-  assert int(st.tokens) == int(np.asarray(ref.lengths).sum())
+  assert_stats_invariants(got, spec.bucket_shapes(8, HeadsProposer(3, spec.topk).capacity))
   if spec.node_budget == 0:
     assert st.tokens_per_forward == pytest.approx(1.0)
     assert int(st.nodes_verified) == 0
@@ -89,14 +108,22 @@ def test_compaction_over_buckets(trained_model, gsm8k_prompts, random_heads):
   ref = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=64, seed=9,
                          sample_ids=sids, eos_ids=tok.eos_ids)
   lens = np.asarray(ref.lengths)
-  assert lens.min() < 40 < lens.max() or lens.min() < lens.max()
+  # the case needs a spread of lengths: half the rows end early, so the rest move to bucket 2
+  assert (lens < 64).sum() >= 8 and lens.max() == 64, lens
   spec = SpecConfig(node_budget=32, max_nodes=8, bucket_fractions=(1.0, 0.5, 0.25))
-  got = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=64, seed=9,
-                         sample_ids=sids, eos_ids=tok.eos_ids, spec=spec, heads=random_heads)
+  kw = dict(sampling=cfg, max_new_tokens=64, seed=9, sample_ids=sids, eos_ids=tok.eos_ids,
+            spec=spec, heads=random_heads)
+  got = rollout.generate(config, params, prompts, **kw)
   _assert_same(ref, got)
-  buckets = got.stats.bucket_times
-  assert [b[:2] for b in buckets] == spec.bucket_shapes(16)[: len(buckets)]
-  assert len(buckets) >= 2
+  shapes = spec.bucket_shapes(16)
+  assert_stats_invariants(got, shapes)
+  ran = np.asarray(got.stats.spec.bucket_forwards)
+  assert (ran[:2] > 0).all()  # compacted into the second bucket
+  prof = rollout.generate(config, params, prompts, profile=True, **kw)
+  _assert_same(ref, prof)
+  times = prof.stats.bucket_times
+  assert [b[:2] for b in times] == shapes[: len(times)]
+  assert [b[2] for b in times] == ran[: len(times)].tolist() and ran[len(times):].sum() == 0
 
 
 def test_tau_with_fitted_heads(trained_model, gsm8k_prompts, fitted_heads):
@@ -152,7 +179,7 @@ def test_bad_spec_input(trained_model, random_heads):
   config, params, _ = trained_model
   with pytest.raises(ValueError, match="node_budget must be an int >= 0, got -1"):
     SpecConfig(node_budget=-1)
-  with pytest.raises(ValueError, match=r"topk has 2 entries \(4, 3\), fewer than num_heads=3"):
+  with pytest.raises(ValueError, match=r"topk has 2 entries \(4, 3\), but num_heads=3"):
     SpecConfig(topk=(4, 3))
   other = models.ModelConfig.tiny(vocab_size=config.vocab_size + 1,
                                   hidden_size=config.hidden_size)
@@ -167,5 +194,5 @@ def test_bad_spec_input(trained_model, random_heads):
   with pytest.raises(ValueError, match="heads has 3 heads but SpecConfig.num_heads is 2"):
     rollout.generate(config, params, [[1, 2]], max_new_tokens=4, heads=random_heads,
                      spec=SpecConfig(num_heads=2, topk=(2, 2)))
-  with pytest.raises(ValueError, match="spec is set but heads is None"):
+  with pytest.raises(ValueError, match="spec is set but neither heads nor proposer is"):
     rollout.generate(config, params, [[1, 2]], max_new_tokens=4, spec=SpecConfig())

@@ -16,7 +16,7 @@ _accept = jax.jit(accept, static_argnames=("max_depth",))
 
 V = 8
 R = 3
-_MIN_STEP = 1e-3  # documented in tree.py: every edge lowers the score by at least this
+_MIN_STEP = tree_mod._MIN_STEP  # every edge lowers the score by at least this
 
 
 def capacity(topk):
@@ -79,10 +79,9 @@ def test_plan_properties(args):
   k_heads = len(topk)
   lp, root = _head_logprobs(seed, k_heads)
   tree = _plan(jnp.asarray(root), jnp.asarray(lp), jnp.asarray(budget), num_nodes=n, topk=topk)
-  t = {f: np.asarray(getattr(tree, f)) for f in ("tokens", "depth", "parent", "mask", "valid",
-                                                  "slot")}
+  t = {f: np.asarray(getattr(tree, f)) for f in ("tokens", "depth", "parent", "mask", "valid")}
   n1 = n + 1
-  for f in ("tokens", "depth", "parent", "valid", "slot"):
+  for f in ("tokens", "depth", "parent", "valid"):
     assert t[f].shape == (R, n1), f
   assert t["mask"].shape == (R, n1, n1)
 
@@ -198,8 +197,7 @@ def _hand_tree():
           mask[r, i, j] = True
           j = parent[r, j]
   return Tree(tokens=jnp.asarray(tokens), depth=jnp.asarray(depth), parent=jnp.asarray(parent),
-              mask=jnp.asarray(mask), valid=jnp.asarray(valid),
-              slot=jnp.asarray(np.tile(np.arange(-1, 6), (2, 1)).astype(np.int32)))
+              mask=jnp.asarray(mask), valid=jnp.asarray(valid))
 
 
 @pytest.mark.parametrize("target,want_path", [

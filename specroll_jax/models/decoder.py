@@ -8,8 +8,9 @@ One code path, three uses (all through :func:`step`):
 
 Every step returns logits (f32), the last layer's hidden states *before* the final norm (what the
 future-token heads read) and the step's own K/V per layer; writing them into the cache is a
-separate,
-explicit scatter (:func:`write_cache`), so a verify step can commit only its accepted nodes.
+separate, explicit scatter (:func:`write_cache`), so a verify step can commit only its accepted
+nodes. ``kernels`` (a :class:`specroll_jax.kernels.Kernels`, or a choice name resolved on the spot)
+picks the attention implementation.
 
 Parameters are the ``params`` collection of :class:`Decoder` (layers stacked on a leading axis by
 ``nn.scan``); dense kernels are stored [in, out].
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models.config import ModelConfig
 
 
@@ -180,9 +182,8 @@ class Decoder(nn.Module):
     return x, k_new, v_new
 
 
-def _attention(impl: str):
-  from specroll_jax.models import attention
-  return attention.get(impl)
+def _attention(kernels):
+  return Kernels.resolve(kernels).attention_fn
 
 
 def init_params(key, config: ModelConfig):
@@ -190,7 +191,7 @@ def init_params(key, config: ModelConfig):
   tokens = jnp.zeros((1, 2), jnp.int32)
   empty = jnp.zeros((config.num_layers, 1, 0, config.num_kv_heads, config.head_dim),
                     config.jnp_dtype)
-  variables = Decoder(config, _attention("reference")).init(
+  variables = Decoder(config, _attention(REFERENCE)).init(
       key, tokens, jnp.zeros((1, 2), jnp.int32), empty, empty, jnp.zeros((1,), jnp.int32),
       jnp.ones((1, 2, 2), bool))
   return variables["params"]
@@ -209,7 +210,7 @@ def unstack_layers(params):
 
 def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[Array, "B T"],
          cache: KVCache | None = None, mask: Bool[Array, "B T T"] | None = None, *,
-         attn_impl: str = "auto", compute_logits: bool = True) -> StepOutput:
+         kernels: Kernels | str = "auto", compute_logits: bool = True) -> StepOutput:
   """Run the decoder on ``tokens`` at absolute ``positions`` over the valid prefix of ``cache``.
 
   mask: which new tokens each new token may attend (default causal). The cache is not modified.
@@ -221,13 +222,13 @@ def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   if cache is None:
     cache = init_cache(config, b, 0)
-  hidden, k_new, v_new, _ = _layers(config, params, tokens, positions, cache, mask, attn_impl)
+  hidden, k_new, v_new, _ = _layers(config, params, tokens, positions, cache, mask, kernels)
   logits = logits_from_hidden(config, params, hidden) if compute_logits else None
   return StepOutput(logits=logits, hidden=hidden, k_new=k_new, v_new=v_new)
 
 
 def append_step(config: ModelConfig, params, tokens: Int[Array, "B T"],
-                cache: KVCache, slots: Int[Array, "B T"], *, attn_impl: str = "auto"):
+                cache: KVCache, slots: Int[Array, "B T"], *, kernels: Kernels | str = "auto"):
   """Decode step that appends: token j of row b sits at position lengths[b] + j, its K/V are
   written into the cache (in place, per layer) at ``slots`` (normally lengths[b] + j; < 0 to drop)
   before attention, so each token attends the cache prefix and itself and its predecessors.
@@ -236,17 +237,17 @@ def append_step(config: ModelConfig, params, tokens: Int[Array, "B T"],
   """
   b, t = tokens.shape
   positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  hidden, _, _, (ks, vs) = _layers(config, params, tokens, positions, cache, None, attn_impl,
+  hidden, _, _, (ks, vs) = _layers(config, params, tokens, positions, cache, None, kernels,
                                    append_slots=slots)
   return hidden, cache.replace(k=ks, v=vs)
 
 
-def _layers(config, params, tokens, positions, cache, mask, attn_impl, append_slots=None):
+def _layers(config, params, tokens, positions, cache, mask, kernels, append_slots=None):
   # Layers run unrolled over per-layer parameter slices (``unstack_layers``): inside a decode
   # while_loop the slices are loop invariants, so no weight is copied per step (nn.scan would
   # dynamic-slice every layer's weights on every iteration).
   layers = unstack_layers(params)["layers"]
-  block = Block(config, _attention(attn_impl))
+  block = Block(config, _attention(kernels))
   x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
   ks, vs, kc, vc = [], [], [], []
   for i, lp in enumerate(layers):
@@ -260,11 +261,11 @@ def _layers(config, params, tokens, positions, cache, mask, attn_impl, append_sl
 
 
 def forward(config: ModelConfig, params, tokens: Int[Array, "B T"], *,
-            attn_impl: str = "auto") -> Float[Array, "B T V"]:
+            kernels: Kernels | str = "auto") -> Float[Array, "B T V"]:
   """Plain full causal forward: logits [B, T, V] (float32)."""
   b, t = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  return step(config, params, tokens, positions, attn_impl=attn_impl).logits
+  return step(config, params, tokens, positions, kernels=kernels).logits
 
 
 def write_cache(cache: KVCache, k_new, v_new, slots: Int[Array, "B T"]) -> KVCache:
@@ -279,7 +280,7 @@ def write_cache(cache: KVCache, k_new, v_new, slots: Int[Array, "B T"]) -> KVCac
 
 
 def prefill(config: ModelConfig, params, tokens: Int[Array, "B T"], lengths: Int[Array, " B"],
-            cache: KVCache, *, attn_impl: str = "auto"):
+            cache: KVCache, *, kernels: Kernels | str = "auto"):
   """Prefill right-padded prompts (row b valid up to lengths[b] >= 1) into an empty cache.
 
   Returns (cache with lengths set, logits at each row's last prompt token [B, V],
@@ -289,7 +290,7 @@ def prefill(config: ModelConfig, params, tokens: Int[Array, "B T"], lengths: Int
   pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   valid = pos < lengths[:, None]
   mask = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :]
-  out = step(config, params, tokens, pos, None, mask, attn_impl=attn_impl, compute_logits=False)
+  out = step(config, params, tokens, pos, None, mask, kernels=kernels, compute_logits=False)
   cache = write_cache(cache, out.k_new, out.v_new, jnp.where(valid, pos, -1))
   cache = cache.replace(lengths=lengths.astype(jnp.int32))
   hidden = jnp.take_along_axis(out.hidden, (lengths - 1)[:, None, None], axis=1)[:, 0]

@@ -52,12 +52,20 @@ def _layer_shapes(c: ModelConfig) -> dict[tuple[str, str], tuple[int, ...]]:
   return shapes
 
 
+def _open(file: Path):
+  """safe_open, with a ValueError naming the file when it is not a readable safetensors file."""
+  try:
+    return safe_open(str(file), framework="numpy")
+  except Exception as e:  # SafetensorError (truncated / garbage header), OSError
+    raise ValueError(f"{file}: not a readable safetensors file ({type(e).__name__}: {e})") from e
+
+
 def _tensor_files(path: Path) -> dict[str, Path]:
   """Map tensor name -> safetensors file."""
   single = path / "model.safetensors"
   index = path / "model.safetensors.index.json"
   if single.exists():
-    with safe_open(str(single), framework="numpy") as f:
+    with _open(single) as f:
       return {k: single for k in f.keys()}
   if index.exists():
     try:
@@ -103,8 +111,11 @@ def load_pretrained(path) -> tuple[ModelConfig, dict]:
       raise ValueError(f"{path}: tensor {name!r} missing (expected shape {expected})")
     fp = files[name]
     if fp not in handles:
-      handles[fp] = safe_open(str(fp), framework="numpy").__enter__()
-    arr = handles[fp].get_tensor(name)  # numpy (bfloat16 via ml_dtypes): layout work stays on host
+      handles[fp] = _open(fp).__enter__()
+    try:
+      arr = handles[fp].get_tensor(name)  # numpy (bf16 via ml_dtypes): layout work stays on host
+    except Exception as e:  # data past the end of a truncated file
+      raise ValueError(f"{fp}: tensor {name!r} is unreadable ({type(e).__name__}: {e})") from e
     if tuple(arr.shape) != tuple(expected):
       raise ValueError(
           f"{fp}: tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(expected)}")

@@ -1,0 +1,125 @@
+"""Static settings of one rollout call: ``DecodeSettings`` (sampling, lengths, kernels, outputs) and
+``SpecConfig`` (the speculative engine's node budget and buckets). Both are frozen and hashable:
+they are static jit arguments, validated once when built."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from specroll_jax.kernels import Kernels
+from specroll_jax.sampling import SamplingConfig
+
+DEFAULT_TOPK = (4, 3, 2)  # per-depth candidates of the heads proposer; deeper heads take 2
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+  """Per-call static settings shared by the vanilla and the speculative engine.
+
+  sampling: how the target samples (temperature, top-k, top-p).
+  max_new_tokens: response length limit M (an EOS, when sampled, ends a response earlier).
+  cache_length: KV cache positions per row (>= padded prompt width + M is the caller's check).
+  kernels: which attention / sampler implementation (``Kernels.resolve``); resolved already.
+  return_hidden: also record the pre-norm hidden state at the anchor of every response token.
+  pad_id: the token written after each response's end.
+  """
+
+  sampling: SamplingConfig
+  max_new_tokens: int
+  cache_length: int
+  kernels: Kernels = Kernels()
+  return_hidden: bool = False
+  pad_id: int = 0
+
+  def __post_init__(self):
+    if not isinstance(self.sampling, SamplingConfig):
+      raise ValueError(
+          f"DecodeSettings.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+    for name in ("max_new_tokens", "cache_length"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+        raise ValueError(f"DecodeSettings.{name} must be an int >= 1, got {v!r}")
+      object.__setattr__(self, name, int(v))
+    if not isinstance(self.kernels, Kernels):
+      raise ValueError(f"DecodeSettings.kernels must be a Kernels (see Kernels.resolve), got "
+                       f"{self.kernels!r}")
+    if not isinstance(self.return_hidden, bool):
+      raise ValueError(f"DecodeSettings.return_hidden must be a bool, got {self.return_hidden!r}")
+    if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, (int, np.integer)):
+      raise ValueError(f"DecodeSettings.pad_id must be an int, got {self.pad_id!r}")
+    object.__setattr__(self, "pad_id", int(self.pad_id))
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+  """Speculative engine settings (DESIGN.md, "One speculative step" and the concurrency budget).
+
+  node_budget: global number of tree nodes (root excluded) per verify forward, shared by the rows
+    of a bucket.
+  max_nodes: per-row cap N_max. A bucket of ``rows`` rows gives every row
+    N = min(max_nodes, node_budget // rows, the proposer's capacity) nodes; the fields themselves
+    are never rewritten.
+  bucket_fractions: row counts of the compiled buckets as fractions of the batch, descending and
+    starting at 1.0; rows move to the next bucket (compacted, KV cache and proposer state included)
+    once no more rows than it holds are active.
+  num_heads, topk: the shorthand ``generate(spec=..., heads=h)`` builds the static-heads proposer
+    ``HeadsProposer(num_heads, topk)`` from these. topk has one entry per head (candidates at each
+    depth); None means (4, 3, 2, 2, ...)[:num_heads].
+  """
+
+  num_heads: int = 3
+  node_budget: int = 64
+  max_nodes: int = 16
+  topk: tuple[int, ...] | None = None
+  bucket_fractions: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
+
+  def __post_init__(self):
+    _int_at_least(self, "num_heads", 1)
+    _int_at_least(self, "node_budget", 0)
+    _int_at_least(self, "max_nodes", 0)
+    topk = self.topk
+    if topk is None:
+      topk = (DEFAULT_TOPK + (DEFAULT_TOPK[-1],) * self.num_heads)[: self.num_heads]
+    topk = tuple(topk)
+    if any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1 for k in topk):
+      raise ValueError(f"SpecConfig.topk entries must be ints >= 1, got {topk}")
+    if len(topk) != self.num_heads:
+      raise ValueError(f"SpecConfig.topk has {len(topk)} entries {topk}, but num_heads="
+                       f"{self.num_heads} (one entry per head)")
+    object.__setattr__(self, "topk", tuple(int(k) for k in topk))
+    fr = tuple(self.bucket_fractions)
+    if not fr or fr[0] != 1.0 or any(not (0 < b <= 1) for b in fr) or list(fr) != sorted(fr)[::-1]:
+      raise ValueError(
+          f"SpecConfig.bucket_fractions must start at 1.0 and descend within (0, 1], got {fr}")
+    object.__setattr__(self, "bucket_fractions", fr)
+
+  @classmethod
+  def for_cpu(cls) -> SpecConfig:
+    """CPU: a verify forward's cost grows quickly with tokens; keep ~64 tree nodes per forward."""
+    return cls()
+
+  @classmethod
+  def for_h200(cls) -> SpecConfig:
+    """H200 bf16: verify stays memory-bound up to ~200 tokens per forward (DESIGN.md)."""
+    return cls(node_budget=192, max_nodes=12, topk=(4, 3, 2))
+
+  def bucket_shapes(self, batch: int, capacity: int | None = None) -> list[tuple[int, int]]:
+    """Static (rows, N) buckets for a batch: rows descending,
+    N = min(max_nodes, node_budget // rows, capacity)."""
+    cap = self.max_nodes if capacity is None else min(self.max_nodes, capacity)
+    shapes = []
+    for f in self.bucket_fractions:
+      rows = max(1, int(np.ceil(batch * f)))
+      if shapes and rows >= shapes[-1][0]:
+        continue
+      shapes.append((rows, min(cap, self.node_budget // rows)))
+    return shapes
+
+
+def _int_at_least(obj, name: str, lo: int) -> None:
+  v = getattr(obj, name)
+  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+    raise ValueError(f"SpecConfig.{name} must be an int >= {lo}, got {v!r}")
+  object.__setattr__(obj, name, int(v))

@@ -1,0 +1,143 @@
+"""The proposer interface: what turns the engine's view of a row into that row's candidate tree.
+
+A proposer has three parts with three lifetimes (DESIGN.md, "Proposers: one engine, many ways to
+guess"):
+
+* settings: the proposer object itself, a frozen hashable dataclass (a static jit argument);
+* parameters: a pytree passed as a traced argument (what the slow path trains between rollout
+  batches; changing it never recompiles);
+* per-row state: a pytree whose every leaf has a leading rows axis [R, ...]; the engine compacts it
+  with its row, so a row's state follows the row across buckets.
+
+Pure functions in the optax form: ``init`` (per-row state for a batch), ``propose`` (each row's
+``Tree`` within its node budget, and the state after proposing) and ``update`` (the step's
+``Feedback``; returns the new state and a pytree of statistics the engine sums over all steps).
+Whatever a proposer does, the committed tokens are the target's own samples: a proposer changes
+speed, never the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from specroll_jax.models.config import ModelConfig
+from specroll_jax.tree import Tree
+
+PyTree = Any
+
+
+@flax.struct.dataclass
+class Target:
+  """The model being sampled (frozen during a rollout): what proposers may read (e.g. the final
+  norm and the shared unembedding)."""
+
+  config: ModelConfig = flax.struct.field(pytree_node=False)
+  params: PyTree
+
+
+@flax.struct.dataclass
+class RowsInit:
+  """What ``init`` sees for each row of a new batch (every leaf [R, ...])."""
+
+  prompt_tokens: Int[Array, "R P"]  # right-padded prompts
+  prompt_lengths: Int[Array, " R"]
+  sample_ids: Int[Array, " R"]  # global response ids (noise coordinates)
+  row: Int[Array, " R"]  # global row index in the batch
+  first_token: Int[Array, " R"]  # the first response token (the first root)
+  hidden: Float[Array, "R D"]  # pre-norm hidden at the last prompt token (the first root's anchor)
+
+
+@flax.struct.dataclass
+class ProposeInput:
+  """The engine's view of each row when a tree is wanted (every leaf [R, ...])."""
+
+  hidden: Float[Array, "R D"]  # target's last pre-norm hidden state (anchor of the root, at L - 1)
+  root: Int[Array, " R"]  # the root token at position L: sampled already, not yet in the KV cache
+  position: Int[Array, " R"]  # L, the root's absolute position
+  history: Int[Array, "R C"]  # token at each position 0..C-1 (prompt + response); [r, L] = root;
+  #                              -1 where not known yet
+  budget: Int[Array, " R"]  # nodes (root excluded) this row may use; 0 for finished rows
+  row: Int[Array, " R"]  # global row index
+  sample_ids: Int[Array, " R"]
+
+
+@flax.struct.dataclass
+class Feedback:
+  """What one verify forward decided, for ``update`` (every leaf [R, ...]). D1 = max depth + 1.
+
+  tokens[:, j] is the target's sample at path node j, at absolute position position + 1 + j; the
+  first path_len - 1 of them equal the accepted nodes' tokens, the last is the next root. ``keep``
+  marks those emitted (cut after an EOS or the length limit).
+  """
+
+  tree: Tree  # the verified tree [R, N1]
+  target_tokens: Int[Array, "R N1"]  # the target's sample at every node
+  accepted: Bool[Array, "R N1"]
+  path: Int[Array, "R D1"]  # node index of the accepted path at each depth
+  path_len: Int[Array, " R"]  # D + 1 (0 for rows that were not active)
+  tokens: Int[Array, "R D1"]  # committed tokens (valid where keep)
+  keep: Bool[Array, "R D1"]
+  position: Int[Array, " R"]  # L, the root's position (tokens[:, j] sits at L + 1 + j)
+  hidden: Float[Array, "R D"]  # the hidden state the tree was proposed from (anchor of the root)
+  path_hidden: Float[Array, "R D1 Dm"]  # pre-norm hidden at each path node (anchor of tokens[j])
+  active: Bool[Array, " R"]  # the row took part in this step
+  done: Bool[Array, " R"]  # the row is finished after this step
+  row: Int[Array, " R"]
+  sample_ids: Int[Array, " R"]
+  topm_logits: Float[Array, "R D1 M"] | None = None  # the target's top-m raw logits at path nodes
+  topm_ids: Int[Array, "R D1 M"] | None = None  # (only when the proposer sets feedback_topm > 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Proposer:
+  """Base class of proposers (frozen dataclass = the settings). Subclasses override the methods.
+
+  max_depth: deepest node a tree can have (static). capacity: most nodes (root excluded) a tree can
+  usefully hold; the engine never gives a row more. feedback_topm: m > 0 asks the engine for the
+  target's top-m logits at the committed path positions in ``Feedback`` (never [R, N, V]).
+  """
+
+  @property
+  def max_depth(self) -> int:
+    raise NotImplementedError
+
+  @property
+  def capacity(self) -> int:
+    raise NotImplementedError
+
+  @property
+  def feedback_topm(self) -> int:
+    return 0
+
+  def validate(self, config: ModelConfig, params: PyTree) -> None:
+    """Raise ValueError when ``params`` do not fit the model (before tracing)."""
+
+  def init(self, target: Target, params: PyTree, rows: RowsInit) -> PyTree:
+    """Per-row state for a new batch (every leaf [R, ...]); () when the proposer has none."""
+    return ()
+
+  def propose(self, target: Target, params: PyTree, state: PyTree, inp: ProposeInput, *,
+              num_nodes: int) -> tuple[Tree, PyTree]:
+    """Each row's tree of ``num_nodes`` nodes (static) with at most ``inp.budget`` valid, depth
+    <= ``max_depth``; and the per-row state after proposing."""
+    raise NotImplementedError
+
+  def update(self, target: Target, params: PyTree, state: PyTree,
+             fb: Feedback) -> tuple[PyTree, PyTree]:
+    """(new per-row state, statistics of this step) from the step's feedback. Statistics are a
+    pytree of arrays without a rows axis; the engine adds them up over the rollout."""
+    return state, self.init_stats()
+
+  def init_stats(self) -> PyTree:
+    """Zeros of the statistics pytree ``update`` returns ({} when there are none)."""
+    return {}
+
+
+def empty_rows_state(r: int) -> PyTree:
+  """A per-row state with no content but a rows axis (so tree_map over slots keeps working)."""
+  return jnp.zeros((r, 0), jnp.int32)

@@ -1,0 +1,79 @@
+"""Static future-token heads as a proposer (Medusa-style; DESIGN.md, mechanism 1).
+
+Parameters: ``specroll_jax.heads.Heads``. Per-row state: none. ``propose`` runs only the heads and
+candidates the bucket's node count N can use: with the trunk reserved first, a tree of N nodes
+reaches depth min(K, N), and at each depth a parent has at most 1 + N - min(K, N) children in the
+tree (the trunk takes min(K, N) nodes), so head k is evaluated only when k <= N and its top-k is
+cut to that many candidates. The tree is exactly the one the full candidate set would give.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from specroll_jax import heads as _heads
+from specroll_jax import tree as _tree
+from specroll_jax.config import DEFAULT_TOPK
+from specroll_jax.models import decoder as _dec
+from specroll_jax.proposers.base import Proposer
+
+
+def effective_topk(topk: tuple[int, ...], num_nodes: int) -> tuple[int, ...]:
+  """The per-depth candidate counts a tree of ``num_nodes`` nodes can use (see module docstring)."""
+  depth = min(len(topk), num_nodes)
+  return tuple(min(k, 1 + num_nodes - depth) for k in topk[:depth])
+
+
+def head_logits(target, heads: _heads.Heads, h, num_heads: int):
+  """Logits [R, num_heads, V] of the first ``num_heads`` heads only."""
+  sub = jax.tree.map(lambda a: a[:num_heads], heads)
+  return _dec.logits_from_hidden(target.config, target.params,
+                                 _heads.head_states(target.config, sub, h))
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsProposer(Proposer):
+  """K future-token heads; ``topk[k-1]`` candidates at depth k (the tree of ``tree.plan``)."""
+
+  num_heads: int = 3
+  topk: tuple[int, ...] = DEFAULT_TOPK
+
+  def __post_init__(self):
+    if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or \
+        self.num_heads < 1:
+      raise ValueError(f"HeadsProposer.num_heads must be an int >= 1, got {self.num_heads!r}")
+    topk = tuple(self.topk)
+    if len(topk) != self.num_heads or any(not isinstance(k, int) or k < 1 for k in topk):
+      raise ValueError(f"HeadsProposer.topk must hold num_heads={self.num_heads} ints >= 1, got "
+                       f"{topk}")
+    object.__setattr__(self, "topk", topk)
+
+  @property
+  def max_depth(self) -> int:
+    return self.num_heads
+
+  @property
+  def capacity(self) -> int:
+    total, width = 0, 1
+    for k in self.topk:
+      width *= k
+      total += width
+    return total
+
+  def validate(self, config, params) -> None:
+    _heads.validate(config, params, self.num_heads)
+
+  def propose(self, target, params, state, inp, *, num_nodes):
+    if num_nodes == 0:
+      return _tree.root_only(inp.root), state
+    topk = effective_topk(self.topk, num_nodes)
+    logits = head_logits(target, params, inp.hidden, len(topk))
+    if max(topk) > 1:  # scores matter: cumulative log-probabilities
+      logits = jax.nn.log_softmax(logits, axis=-1)
+    tr = _tree.plan(inp.root, logits, inp.budget, num_nodes=num_nodes, topk=topk)
+    return tr, state
+
+
+__all__ = ["HeadsProposer", "effective_topk", "head_logits"]

@@ -1,0 +1,200 @@
+"""Prompt lookup (n-gram copy; "prompt lookup decoding") as a proposer, and its merge with heads.
+
+``PromptLookup`` finds the latest earlier occurrence of the row's last n committed tokens (the root
+included; n from ``max_ngram`` down to ``min_ngram``, longest first) in the row's own prompt +
+response and proposes the tokens that followed it as a chain. No FLOPs, no parameters: GSM8K
+solutions copy numbers and phrases from the question. Per-row state: the chain it proposed last and
+an adaptive chain length (one more than the prefix of its last chain that the target then sampled,
+within [min_chain, max_chain]), so a row whose copies keep failing proposes short chains and leaves
+the budget to other proposers.
+
+``HeadsAndLookup`` merges the heads' sparse tree and the lookup chain into one tree within each
+row's budget (identical paths shared; ``tree.merge_chain``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax.numpy as jnp
+from jaxtyping import Array, Int
+
+from specroll_jax import tree as _tree
+from specroll_jax.proposers.base import Proposer
+from specroll_jax.proposers.heads import HeadsProposer
+
+
+@flax.struct.dataclass
+class LookupState:
+  chain: Int[Array, "R C"]  # the chain proposed last (token for position L + 1 + j), -1 unused
+  chain_len: Int[Array, " R"]  # its length (0: no match / not proposed)
+  want: Int[Array, " R"]  # adaptive chain length for the next proposal
+
+
+def find_continuation(history: Int[Array, "R S"], position: Int[Array, " R"], *,
+                      max_ngram: int, min_ngram: int, max_chain: int):
+  """The tokens that followed the latest earlier occurrence of each row's last n tokens.
+
+  history[r, p] is the token at position p (-1 unknown), ``position`` the last known position L.
+  Returns (tokens [R, max_chain], length [R]): the continuation of the longest n with a match (n in
+  [min_ngram, max_ngram]); only known tokens (positions <= L) are returned, length 0 for no match.
+  """
+  r, s = history.shape
+  p = jnp.arange(s)[None]
+  pad = jnp.full((r, max_ngram + max_chain), -2, history.dtype)
+  ext = jnp.concatenate([history, pad], axis=1)  # ext[:, p + i] for p < s, i < max_ngram
+  best = jnp.full((r,), -1, jnp.int32)
+  best_n = jnp.zeros((r,), jnp.int32)
+  for n in range(max_ngram, min_ngram - 1, -1):
+    ok = (p + n <= position[:, None]) & (position[:, None] - n + 1 >= 0)
+    for i in range(n):
+      suffix_i = jnp.take_along_axis(history, jnp.clip(position - n + 1 + i, 0, s - 1)[:, None],
+                                     axis=1)
+      ok = ok & (ext[:, i:i + s] == suffix_i)
+    start = jnp.max(jnp.where(ok, p, -1), axis=1).astype(jnp.int32)
+    take = (best < 0) & (start >= 0)
+    best = jnp.where(take, start, best)
+    best_n = jnp.where(take, n, best_n)
+  first = best + best_n  # position of the first continuation token
+  j = jnp.arange(max_chain)[None]
+  idx = jnp.clip(first[:, None] + j, 0, s - 1)
+  tokens = jnp.take_along_axis(history, idx, axis=1)
+  length = jnp.where(best >= 0, jnp.clip(position - first + 1, 0, max_chain), 0)
+  tokens = jnp.where(j < length[:, None], tokens, -1)
+  return tokens, length.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptLookup(Proposer):
+  """n-gram copy from the row's own prompt + response. Parameters: none (pass ())."""
+
+  max_ngram: int = 3
+  min_ngram: int = 1
+  max_chain: int = 6
+  min_chain: int = 1
+
+  def __post_init__(self):
+    for name in ("max_ngram", "min_ngram", "max_chain", "min_chain"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"PromptLookup.{name} must be an int >= 1, got {v!r}")
+    if self.min_ngram > self.max_ngram:
+      raise ValueError(f"PromptLookup.min_ngram={self.min_ngram} exceeds max_ngram="
+                       f"{self.max_ngram}")
+    if self.min_chain > self.max_chain:
+      raise ValueError(f"PromptLookup.min_chain={self.min_chain} exceeds max_chain="
+                       f"{self.max_chain}")
+
+  @property
+  def max_depth(self) -> int:
+    return self.max_chain
+
+  @property
+  def capacity(self) -> int:
+    return self.max_chain
+
+  def validate(self, config, params) -> None:
+    if params not in ((), None):
+      raise ValueError(f"PromptLookup has no parameters; pass () (got {type(params).__name__})")
+
+  def init(self, target, params, rows):
+    r = rows.row.shape[0]
+    return LookupState(chain=jnp.full((r, self.max_chain), -1, jnp.int32),
+                       chain_len=jnp.zeros((r,), jnp.int32),
+                       want=jnp.full((r,), self.max_chain, jnp.int32))
+
+  def chain_for(self, state: LookupState, inp):
+    """(tokens [R, max_chain], length [R]) this proposer wants to verify for each row."""
+    tokens, length = find_continuation(inp.history, inp.position, max_ngram=self.max_ngram,
+                                       min_ngram=self.min_ngram, max_chain=self.max_chain)
+    length = jnp.minimum(jnp.minimum(length, state.want), inp.budget)
+    j = jnp.arange(self.max_chain)[None]
+    return jnp.where(j < length[:, None], tokens, -1), length
+
+  def propose(self, target, params, state, inp, *, num_nodes):
+    if num_nodes == 0:
+      return _tree.root_only(inp.root), state
+    tokens, length = self.chain_for(state, inp)
+    length = jnp.minimum(length, num_nodes)
+    tr = _tree.chain(inp.root, tokens, length, num_nodes=num_nodes)
+    return tr, state.replace(chain=tokens, chain_len=length)
+
+  def update(self, target, params, state, fb):
+    c = self.max_chain
+    j = jnp.arange(c)[None]
+    hit = (state.chain == fb.tokens[:, :c]) & fb.keep[:, :c] & (j < state.chain_len[:, None])
+    matched = jnp.cumprod(hit, axis=1).sum(1).astype(jnp.int32)
+    proposed = fb.active & (state.chain_len > 0)
+    want = jnp.where(proposed, jnp.clip(matched + 1, self.min_chain, self.max_chain), state.want)
+    stats = {"lookup_rows": proposed.sum().astype(jnp.int32),
+             "lookup_tokens": jnp.where(proposed, state.chain_len, 0).sum().astype(jnp.int32),
+             "lookup_matched": jnp.where(proposed, matched, 0).sum().astype(jnp.int32)}
+    return state.replace(want=want, chain_len=jnp.zeros_like(state.chain_len)), stats
+
+  def init_stats(self):
+    z = jnp.int32(0)
+    return {"lookup_rows": z, "lookup_tokens": z, "lookup_matched": z}
+
+
+def pad_tree(tr: _tree.Tree, num_nodes: int) -> _tree.Tree:
+  """``tr`` with invalid nodes appended up to ``num_nodes`` nodes (root excluded)."""
+  extra = num_nodes - tr.num_nodes
+  if extra <= 0:
+    return tr
+  r = tr.tokens.shape[0]
+  pad = lambda a, v: jnp.concatenate([a, jnp.full((r, extra), v, a.dtype)], axis=1)
+  n1 = num_nodes + 1
+  mask = jnp.zeros((r, n1, n1), bool).at[:, : tr.num_nodes + 1, : tr.num_nodes + 1].set(tr.mask)
+  return _tree.Tree(tokens=pad(tr.tokens, 0), depth=pad(tr.depth, 0), parent=pad(tr.parent, -1),
+                    valid=pad(tr.valid, False), mask=mask | jnp.eye(n1, dtype=bool)[None])
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadsAndLookup(Proposer):
+  """The heads' tree and the lookup chain merged into one tree per row. Parameters: (heads params,
+  ()); state: (heads state, lookup state)."""
+
+  heads: HeadsProposer = HeadsProposer()
+  lookup: PromptLookup = PromptLookup()
+
+  @property
+  def max_depth(self) -> int:
+    return max(self.heads.max_depth, self.lookup.max_depth)
+
+  @property
+  def capacity(self) -> int:
+    return self.heads.capacity + self.lookup.capacity
+
+  @property
+  def feedback_topm(self) -> int:
+    return max(self.heads.feedback_topm, self.lookup.feedback_topm)
+
+  def validate(self, config, params) -> None:
+    if not isinstance(params, tuple) or len(params) != 2:
+      raise ValueError("HeadsAndLookup params must be a pair (heads params, ()), got "
+                       f"{type(params).__name__}")
+    self.heads.validate(config, params[0])
+    self.lookup.validate(config, params[1])
+
+  def init(self, target, params, rows):
+    return (self.heads.init(target, params[0], rows), self.lookup.init(target, params[1], rows))
+
+  def propose(self, target, params, state, inp, *, num_nodes):
+    if num_nodes == 0:
+      return _tree.root_only(inp.root), state
+    sh, sl = state
+    tr, sh = self.heads.propose(target, params[0], sh, inp,
+                                num_nodes=min(num_nodes, self.heads.capacity))
+    tr = pad_tree(tr, num_nodes)
+    tokens, length = self.lookup.chain_for(sl, inp)
+    merged = _tree.merge_chain(tr, tokens, length, inp.budget, max_depth=self.max_depth)
+    return merged, (sh, sl.replace(chain=tokens, chain_len=length))
+
+  def update(self, target, params, state, fb):
+    sh, st_h = self.heads.update(target, params[0], state[0], fb)
+    sl, st_l = self.lookup.update(target, params[1], state[1], fb)
+    return (sh, sl), {**st_h, **st_l}
+
+  def init_stats(self):
+    return {**self.heads.init_stats(), **self.lookup.init_stats()}

@@ -1,0 +1,75 @@
+"""What a rollout returns: ``Rollout`` (tokens, lengths, logprobs, optional hidden states) with its
+``RolloutStats``; the speculative engine adds ``SpecStats``. Typed pytrees, so the traceable
+entries return them from inside a caller's ``jit`` / ``shard_map`` unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+
+@flax.struct.dataclass
+class SpecStats:
+  """Counters of the speculative engine (sums over all verify forwards and rows)."""
+
+  depth_proposed: Int[Array, " Kd"]  # row-steps whose tree reached depth k (k = 1..max depth)
+  depth_accepted: Int[Array, " Kd"]  # row-steps whose accepted path reached depth k
+  nodes_verified: Int[Array, ""]  # tree nodes (root excluded) verified in all row-steps
+  active_trace: Int[Array, " F"]  # active rows at verify forward f (f < target_forwards; 0 after)
+  bucket_forwards: Int[Array, " S"]  # verify forwards run in each (rows, N) bucket
+  proposer: Any = None  # the proposer's own statistics (``Proposer.update``), summed
+
+
+@flax.struct.dataclass
+class RolloutStats:
+  target_forwards: Int[Array, ""]  # decode / verify forwards after the prefill (batch steps)
+  row_forwards: Int[Array, ""]  # rows taking part, summed over those forwards and the prefill
+  tokens: Int[Array, ""]  # committed response tokens in all rows
+  nonfinite: Bool[Array, " B"]  # row stopped because its logits held NaN/inf
+  spec: SpecStats | None = None  # speculative engine only
+  bucket_times: tuple = flax.struct.field(pytree_node=False, default=())  # profile=True only:
+  #   (rows, N, forwards, seconds) per bucket, measured from the host
+
+  @property
+  def tokens_per_forward(self) -> float:
+    """tau: committed tokens per row-forward (1.0 for vanilla)."""
+    return float(self.tokens) / max(int(self.row_forwards), 1)
+
+  @property
+  def head_proposed(self):
+    """Row-steps whose tree reached depth k (empty for the vanilla engine)."""
+    return np.zeros((0,), np.int64) if self.spec is None else self.spec.depth_proposed
+
+  @property
+  def head_accepted(self):
+    return np.zeros((0,), np.int64) if self.spec is None else self.spec.depth_accepted
+
+  @property
+  def nodes_verified(self):
+    return 0 if self.spec is None else self.spec.nodes_verified
+
+  @property
+  def active_trace(self):
+    """Active rows at each verify forward (speculative engine; trimmed to target_forwards)."""
+    if self.spec is None:
+      return None
+    return np.asarray(self.spec.active_trace)[: max(int(self.target_forwards), 1)]
+
+  @property
+  def head_acceptance(self) -> np.ndarray:
+    """Accepted / proposed per depth (empty for the vanilla engine)."""
+    p = np.asarray(self.head_proposed, np.float64)
+    return np.asarray(self.head_accepted, np.float64) / np.maximum(p, 1)
+
+
+@flax.struct.dataclass
+class Rollout:
+  tokens: Int[Array, "B M"]  # response tokens; pad_id after each row's end
+  lengths: Int[Array, " B"]  # response length (an EOS, when sampled, is included)
+  logprobs: Float[Array, "B M"]  # logprob of each token under the sampling distribution, 0 after
+  stats: RolloutStats
+  hidden: Float[Array, "B M D"] | None = None  # pre-norm hidden at the anchor before token j
+  adaptation: Any = None  # the adaptation state after this rollout (when one was passed in)
