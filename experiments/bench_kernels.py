@@ -1,8 +1,10 @@
 """Benchmark the Pallas kernels against their XLA (jitted jnp) counterparts.
 
   tree attention: ``tree_attention`` vs ``tree_attention_reference`` (jitted), Qwen2.5-1.5B and 7B
-    layouts, achieved KV-read bandwidth against a measured device-to-device copy roofline;
-  fused sampler: ``fused_sample`` vs unembed (bf16 matmul, f32 out) + ``sampling.sample`` in XLA.
+    layouts, achieved KV-read bandwidth against a measured device-to-device copy roofline; verify
+    steps (T = N + 1 over a cache of L) and, with ``--prefill-lengths``, prefill (L = 0, causal);
+  fused sampler: ``fused_sample`` vs unembed (bf16 matmul, f32 out) + the same Gumbel-max in XLA,
+    for each ``--layouts`` entry ("dv": unembed [D, V]; "vd": a tied [V, D] embedding table).
 
 Timing is device-side: after warm-up, each repetition enqueues ``--inner`` calls back to back and
 blocks once (so host dispatch overlaps device work); the median over ``--reps`` repetitions,
@@ -26,12 +28,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
+from pallas_kernels import counter_hash as ch
 from pallas_kernels import fused_sampler as fs
 from pallas_kernels import tree_attention as ta
-from specroll_jax import sampling
 
 # name -> (H, Hkv, Dh, D): Qwen2.5 layouts
 MODELS = {"qwen2.5-1.5b": (12, 2, 128, 1536), "qwen2.5-7b": (28, 4, 128, 3584)}
@@ -47,6 +50,11 @@ def parse_args(argv=None):
   p.add_argument("--lengths", nargs="+", type=int, default=[512, 4096], help="cache lengths L")
   p.add_argument("--tree-sizes", nargs="+", type=int, default=[1, 4, 8, 16], help="T = N + 1")
   p.add_argument("--batches", nargs="+", type=int, default=[1, 16, 64, 256], help="B")
+  p.add_argument("--prefill-lengths", nargs="*", type=int, default=[],
+                 help="prompt lengths T for prefill rows (L = 0, causal mask), B = --prefill-batch")
+  p.add_argument("--prefill-batch", type=int, default=8)
+  p.add_argument("--layouts", nargs="+", default=["dv", "vd"], choices=list(fs.LAYOUTS),
+                 help="unembedding layouts for the sampler rows")
   p.add_argument("--rows", nargs="+", type=int, default=[16, 256], help="sampler rows R")
   p.add_argument("--temperatures", nargs="+", type=float, default=[1.0])
   p.add_argument("--skip-attention", action="store_true")
@@ -94,10 +102,18 @@ def copy_roofline(mib: int, dtype, timing) -> float:
 
 def attention_inputs(rng, b, t, h, hkv, dh, lc, dtype):
   normal = lambda *s: jnp.asarray(rng.standard_normal(s, np.float32), dtype)
-  mask = np.tril(np.ones((t, t), bool))  # a chain; the cost does not depend on the tree shape
+  mask = np.tril(np.ones((t, t), bool))  # a chain / causal prompt; a verify step's cost does not
+  # depend on the tree shape (a prefill's does: fully masked key blocks are skipped)
   return (normal(b, t, h, dh), normal(b, lc, hkv, dh), normal(b, lc, hkv, dh),
           jnp.full((b,), lc, jnp.int32), normal(b, t, hkv, dh), normal(b, t, hkv, dh),
           jnp.asarray(np.broadcast_to(mask, (b, t, t))))
+
+
+def attention_grid(args):
+  """(kind, B, L, T) rows: verify steps over the cache, then prefills (L = 0)."""
+  rows = [("verify", b, lc, t) for lc in args.lengths for t in args.tree_sizes
+          for b in args.batches]
+  return rows + [("prefill", args.prefill_batch, 0, t) for t in args.prefill_lengths]
 
 
 def bench_attention(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
@@ -109,42 +125,50 @@ def bench_attention(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
     h, hkv, dh, _ = MODELS[model]
     if args.quick:
       h, hkv, dh = 4, 2, 64
-    for lc in args.lengths:
-      for t in args.tree_sizes:
-        for b in args.batches:
-          row = dict(bench="tree_attention", model=model, B=b, L=lc, T=t, H=h, Hkv=hkv, Dh=dh,
-                     dtype=jnp.dtype(dtype).name)
-          kv_bytes = 2 * b * lc * hkv * dh * item
-          # inputs + the reference's f32 scores / probabilities [B, H, T, L + T] (x3 live)
-          foot = kv_bytes + 3 * 4 * b * h * t * (lc + t) + 4 * b * t * h * dh * item
-          if foot > args.mem_fraction * mem_limit:
-            row["skipped"] = f"footprint {foot / 2**30:.1f} GiB"
-            emit(row)
-            continue
-          try:
-            inp = attention_inputs(rng, b, t, h, hkv, dh, lc, dtype)
-            out_k = kern(*inp)
-            out_r = ref(*inp)
-            row["max_abs_err"] = float(jnp.max(jnp.abs(out_k.astype(jnp.float32)
-                                                       - out_r.astype(jnp.float32))))
-            tk = device_time(kern, *inp, **timing)
-            tr = device_time(ref, *inp, **timing)
-            row.update(kernel_us=tk * 1e6, xla_us=tr * 1e6, speedup=tr / tk,
-                       kv_gbps=kv_bytes / tk / 1e9, xla_kv_gbps=kv_bytes / tr / 1e9,
-                       pct_copy_bw=100 * kv_bytes / tk / copy_bw)
-            del inp, out_k, out_r
-          except Exception as e:  # one config failing (e.g. compile) must not end the sweep
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-            traceback.print_exc(file=sys.stderr)
-          emit(row)
+    for kind, b, lc, t in attention_grid(args):
+      row = dict(bench="tree_attention", kind=kind, model=model, B=b, L=lc, T=t, H=h, Hkv=hkv,
+                 Dh=dh, dtype=jnp.dtype(dtype).name)
+      kv_bytes = 2 * b * (lc + t) * hkv * dh * item
+      # inputs + the reference's f32 scores / probabilities [B, H, T, L + T] (x3 live)
+      foot = kv_bytes + 3 * 4 * b * h * t * (lc + t) + 4 * b * t * h * dh * item
+      if foot > args.mem_fraction * mem_limit:
+        row["skipped"] = f"footprint {foot / 2**30:.1f} GiB"
+        emit(row)
+        continue
+      try:
+        inp = attention_inputs(rng, b, t, h, hkv, dh, lc, dtype)
+        out_k = kern(*inp)
+        out_r = ref(*inp)
+        row["max_abs_err"] = float(jnp.max(jnp.abs(out_k.astype(jnp.float32)
+                                                   - out_r.astype(jnp.float32))))
+        tk = device_time(kern, *inp, **timing)
+        tr = device_time(ref, *inp, **timing)
+        row.update(kernel_us=tk * 1e6, xla_us=tr * 1e6, speedup=tr / tk,
+                   kv_gbps=kv_bytes / tk / 1e9, xla_kv_gbps=kv_bytes / tr / 1e9,
+                   pct_copy_bw=100 * kv_bytes / tk / copy_bw)
+        del inp, out_k, out_r
+      except Exception as e:  # one config failing (e.g. compile) must not end the sweep
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+        traceback.print_exc(file=sys.stderr)
+      emit(row)
+
+
+def xla_sample(hidden, unembed, seed, sids, pos, *, temperature, layout):
+  """The unfused XLA path: bf16 unembed matmul with f32 logits out, then Gumbel-max with the same
+  counter-based noise and tempering (``counter_hash``) as the kernel and the engine's sampler."""
+  dims = (((1,), (0,) if layout == "dv" else (1,)), ((), ()))
+  x = lax.dot_general(hidden, unembed, dims, preferred_element_type=jnp.float32)
+  z = x
+  if temperature > 0:
+    x = x * ch.inverse_temperature(temperature)
+    key = ch.row_key(seed, sids, pos)[:, None]
+    z = x + ch.gumbel_from_bits(ch.token_bits(key, jnp.arange(x.shape[-1], dtype=jnp.uint32)))
+  tok = jnp.argmax(z, axis=-1).astype(jnp.int32)
+  lp = jnp.take_along_axis(x, tok[:, None], axis=-1)[:, 0] - jax.nn.logsumexp(x, axis=-1)
+  return tok, lp
 
 
 def bench_sampler(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
-  def xla_sample(hidden, unembed, seed, sids, pos, temperature):
-    logits = jnp.dot(hidden, unembed, preferred_element_type=jnp.float32)
-    cfg = sampling.SamplingConfig(temperature=temperature)
-    return sampling.sample(logits, seed, sids, pos, cfg)[:2]
-
   item = jnp.dtype(dtype).itemsize
   rng = np.random.default_rng(1)
   d_models = sorted({MODELS[m][3] for m in args.models})
@@ -154,46 +178,49 @@ def bench_sampler(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
   for d in d_models:
     for r in args.rows:
       for temp in args.temperatures:
-        row = dict(bench="fused_sampler", D=d, V=vocab, R=r, temperature=temp,
-                   dtype=jnp.dtype(dtype).name)
-        w_bytes = d * vocab * item
-        foot = w_bytes + 3 * 4 * r * vocab
-        if foot > args.mem_fraction * mem_limit:
-          row["skipped"] = f"footprint {foot / 2**30:.1f} GiB"
+        for layout in args.layouts:
+          row = dict(bench="fused_sampler", D=d, V=vocab, R=r, temperature=temp, layout=layout,
+                     dtype=jnp.dtype(dtype).name)
+          w_bytes = d * vocab * item
+          foot = w_bytes + 3 * 4 * r * vocab
+          if foot > args.mem_fraction * mem_limit:
+            row["skipped"] = f"footprint {foot / 2**30:.1f} GiB"
+            emit(row)
+            continue
+          try:
+            hidden = jnp.asarray(rng.standard_normal((r, d), np.float32), dtype)
+            shape = (d, vocab) if layout == "dv" else (vocab, d)
+            unembed = jnp.asarray(rng.standard_normal(shape, np.float32) * d ** -0.5, dtype)
+            sids = jnp.arange(r, dtype=jnp.int32)
+            pos = jnp.full((r,), 100, jnp.int32)
+            seed = jnp.uint32(1234)
+            kern = jax.jit(lambda *a, t=temp, lay=layout: fs.fused_sample(
+                *a, temperature=t, interpret=interpret, unembed_layout=lay))
+            xla = jax.jit(lambda *a, t=temp, lay=layout: xla_sample(*a, temperature=t,
+                                                                    layout=lay))
+            inp = (hidden, unembed, seed, sids, pos)
+            tok_k, lp_k = kern(*inp)
+            tok_x, lp_x = xla(*inp)
+            same = np.asarray(tok_k) == np.asarray(tok_x)
+            row["token_agreement"] = float(same.mean())  # bf16 logits: near-ties may flip a few
+            row["max_logprob_diff_agreeing"] = float(
+                np.max(np.abs(np.asarray(lp_k) - np.asarray(lp_x))[same], initial=0.0))
+            tk = device_time(kern, *inp, **timing)
+            tx = device_time(xla, *inp, **timing)
+            row.update(kernel_us=tk * 1e6, xla_us=tx * 1e6, speedup=tx / tk,
+                       unembed_gbps=w_bytes / tk / 1e9, pct_copy_bw=100 * w_bytes / tk / copy_bw)
+            del hidden, unembed, inp
+          except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc(file=sys.stderr)
           emit(row)
-          continue
-        try:
-          hidden = jnp.asarray(rng.standard_normal((r, d), np.float32), dtype)
-          unembed = jnp.asarray(rng.standard_normal((d, vocab), np.float32) * d ** -0.5, dtype)
-          sids = jnp.arange(r, dtype=jnp.int32)
-          pos = jnp.full((r,), 100, jnp.int32)
-          seed = jnp.uint32(1234)
-          kern = jax.jit(lambda *a, t=temp: fs.fused_sample(*a, temperature=t,
-                                                             interpret=interpret))
-          xla = jax.jit(lambda *a, t=temp: xla_sample(*a, t))
-          inp = (hidden, unembed, seed, sids, pos)
-          tok_k, lp_k = kern(*inp)
-          tok_x, lp_x = xla(*inp)
-          same = np.asarray(tok_k) == np.asarray(tok_x)
-          row["token_agreement"] = float(same.mean())  # bf16 near-ties may flip a few
-          row["max_logprob_diff_agreeing"] = float(
-              np.max(np.abs(np.asarray(lp_k) - np.asarray(lp_x))[same], initial=0.0))
-          tk = device_time(kern, *inp, **timing)
-          tx = device_time(xla, *inp, **timing)
-          row.update(kernel_us=tk * 1e6, xla_us=tx * 1e6, speedup=tx / tk,
-                     unembed_gbps=w_bytes / tk / 1e9, pct_copy_bw=100 * w_bytes / tk / copy_bw)
-          del hidden, unembed, inp
-        except Exception as e:
-          row["error"] = f"{type(e).__name__}: {e}"[:500]
-          traceback.print_exc(file=sys.stderr)
-        emit(row)
 
 
 def print_table(rows, meta):
   cols = {
-      "tree_attention": ["model", "B", "L", "T", "kernel_us", "xla_us", "speedup", "kv_gbps",
-                         "pct_copy_bw", "max_abs_err"],
-      "fused_sampler": ["D", "V", "R", "temperature", "kernel_us", "xla_us", "speedup",
+      "tree_attention": ["kind", "model", "B", "L", "T", "kernel_us", "xla_us", "speedup",
+                         "kv_gbps", "pct_copy_bw", "max_abs_err"],
+      "fused_sampler": ["D", "V", "R", "temperature", "layout", "kernel_us", "xla_us", "speedup",
                         "unembed_gbps", "pct_copy_bw", "token_agreement"],
   }
   fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
@@ -230,6 +257,7 @@ def main(argv=None):
   interpret = backend == "cpu"
   if args.quick:
     args.models, args.lengths, args.tree_sizes, args.batches = args.models[:1], [40], [1, 4], [1, 2]
+    args.prefill_lengths, args.prefill_batch = [24], 2
     args.rows, args.temperatures = [8], [0.0, 1.0]
     args.reps, args.inner, args.warmup = 3, 1, 1
     args.copy_mib = min(args.copy_mib, 16)

@@ -3,7 +3,9 @@ without writing the [R, V] logits to memory.
 
 Shapes (dimension legend in ``specroll_jax/__init__.py``):
   hidden     [R, D]  final-normed hidden states (the caller applies the final norm)
-  unembed    [D, V]  output projection
+  unembed    [D, V]  output projection (``unembed_layout="dv"``, the default), or
+             [V, D]  with ``unembed_layout="vd"``: a tied embedding table used as is, D contracted
+                     on both sides (no transpose, no copy)
   seed       []      uint32/int scalar
   sample_ids [R] int32, positions [R] int32   noise coordinates (``specroll_jax.sampling``)
   -> tokens [R] int32, logprobs [R] f32
@@ -20,7 +22,11 @@ Vocab tiles are spread over S splits (separate programs, for parallelism when R 
 split writes (best key, its id, its x, running max, running sum) per row; a jnp step combines them.
 Triton: grid (row tiles, S), each program loops over its vocab tiles and over D in block_d chunks.
 Mosaic: grid (row tiles, S, tiles per split) with the vocab axis a sequential reduction, whole D per
-step. Non-finite logits make the row's logprob non-finite (check ``jnp.isfinite(logprobs)``).
+step; row tiles are multiples of 8 sublanes (16 for 16-bit dtypes) and the scoped VMEM limit is
+passed explicitly. f32 operands use full-precision dots (Triton would otherwise use TF32), and both
+paths temper by the same precomputed f32 factor ``counter_hash.inverse_temperature(T)``, so the
+kernel and the reference pick the same tokens. Non-finite logits make the row's logprob non-finite
+(check ``jnp.isfinite(logprobs)``).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels._flash import dot_precision as _dot_precision
 from pallas_kernels._shapes import cdiv as _cdiv
 from pallas_kernels._shapes import is_pow2 as _is_pow2
 from pallas_kernels._shapes import next_pow2 as _next_pow2
@@ -47,22 +54,25 @@ from pallas_kernels.tree_attention import BACKENDS, resolve_backend
 _NEG = -1e30
 _BIG_ID = 2**31 - 1
 _TPU_LANES = 128
-_TPU_VMEM_BUDGET = 12 << 20  # under the 16 MiB default scoped VMEM of v5e
+_TPU_VMEM_BUDGET = 12 << 20  # double-buffered blocks; under the 16 MiB default scoped VMEM of v5e
+_TPU_VMEM_CAP = 48 << 20  # below the 64 MiB physical VMEM of a v7x TensorCore
+LAYOUTS = ("dv", "vd")
 _GPU_TARGET_PROGRAMS = 264  # ~2 waves of an H100/H200 (132 SMs)
 
-__all__ = ["BACKENDS", "BlockSizes", "fused_sample", "fused_sample_reference"]
+__all__ = ["BACKENDS", "LAYOUTS", "BlockSizes", "fused_sample", "fused_sample_reference"]
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
   """Tiling of the fused sampler. Frozen and hashable (a static jit argument).
 
-  block_r: rows per tile; None: Triton min(max(16, next_pow2(R)), 128), TPU
-    min(round_up(R, 8), 256). The unembed is streamed once per row tile: large R wants big tiles.
+  block_r: rows per tile; None: Triton min(max(16, next_pow2(R)), 128) (64 for f32), TPU
+    min(round_up(R, 8 or 16 for 16-bit dtypes), 256). The unembed is streamed once per row tile:
+    large R wants big tiles.
   block_v: vocab ids per tile (Triton: power of two >= 16; TPU: multiple of 128); None: 128 on
     Triton; on TPU the widest of 512, 256, 128 whose double-buffered blocks fit 12 MiB of VMEM.
   block_d: D chunk per matmul step (Triton only; power of two >= 16 dividing D); None: the largest
-    of 128, 64, 32, 16 dividing D.
+    of 128, 64, 32, 16 dividing D (at most 64 for f32, so f32 tiles fit shared memory).
   num_splits: vocab splits run as separate programs; None: enough for ~2 waves of an H200 on Triton,
     1 (2 for a single row tile) on TPU.
   num_warps / num_stages: Triton launch parameters (num_warps None: 4 for block_r <= 32, else 8).
@@ -88,12 +98,22 @@ class BlockSizes:
                        f"{self.num_stages!r}")
 
 
-def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temperature: float):
-  """Plain jnp: f32 logits ``hidden @ unembed``, tempered by ``inverse_temperature(T)`` (T > 0),
-  Gumbel-max with the counter-based noise (lowest id on ties), logprob = x_tok - logsumexp(x).
+def _contract(layout: str):
+  """dot_general dimension numbers of hidden [R, D] with the unembed in ``layout``."""
+  return (((1,), (0,) if layout == "dv" else (1,)), ((), ()))
+
+
+def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temperature: float,
+                           unembed_layout: str = "dv"):
+  """Plain jnp: f32 logits ``hidden @ unembed`` (D contracted on both sides for the [V, D]
+  layout, no transpose), tempered by ``inverse_temperature(T)`` (T > 0), Gumbel-max with the
+  counter-based noise (lowest id on ties), logprob = x_tok - logsumexp(x).
   Equal to ``specroll_jax.sampling.sample`` with a plain config (tested there)."""
-  logits = jnp.dot(hidden.astype(jnp.float32), unembed.astype(jnp.float32),
-                   precision=lax.Precision.HIGHEST)
+  if unembed_layout not in LAYOUTS:
+    raise ValueError(f"fused_sample_reference: unembed_layout must be one of {LAYOUTS}, got "
+                     f"{unembed_layout!r}")
+  logits = lax.dot_general(hidden.astype(jnp.float32), unembed.astype(jnp.float32),
+                           _contract(unembed_layout), precision=lax.Precision.HIGHEST)
   x = logits * inverse_temperature(temperature) if temperature > 0 else logits
   z = x
   if temperature > 0:
@@ -148,7 +168,7 @@ def _combine(best_z, best_id, best_x, m, den):
   z = jnp.max(best_z, axis=0, keepdims=True)
   tok = jnp.min(jnp.where(best_z == z, best_id, _BIG_ID), axis=0, keepdims=True)
   x_tok = jnp.max(jnp.where((best_id == tok) & (best_z == z), best_x, _NEG), axis=0)
-  m_max = jnp.max(m, axis=0, keepdims=True)
+  m_max = lax.optimization_barrier(jnp.max(m, axis=0, keepdims=True))  # as in _flash.combine
   lse = m_max[0] + jnp.log(jnp.sum(den * jnp.exp(m - m_max), axis=0))
   return tok[0, :, 0], (x_tok - lse)[:, 0]
 
@@ -156,8 +176,9 @@ def _combine(best_z, best_id, best_x, m, den):
 # --------------------------------------------- Triton ---------------------------------------------
 
 def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperature, vocab,
-                   v_read, block_v, block_d, tiles_per_split, n_tiles):
-  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, Vp] (whole); out_refs 5 x [r, 1]
+                   v_read, block_v, block_d, tiles_per_split, n_tiles, layout, precision):
+  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, Vp] or [Vp, D] (whole);
+  # out_refs 5 x [r, 1]
   s_id = pl.program_id(1)
   rows, d_model = h_ref.shape
   key = row_key(seed_ref[...], sid_ref[...], pos_ref[...])  # uint32 [r, 1]
@@ -174,8 +195,12 @@ def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperat
     def d_chunk(c, acc):
       d0 = pl.multiple_of(c * block_d, block_d)
       h = h_ref[:, pl.ds(d0, block_d)]
-      w = w_ref[pl.ds(d0, block_d), pl.ds(ld, block_v)]
-      return acc + jnp.dot(h, w, preferred_element_type=jnp.float32)
+      if layout == "dv":
+        w = w_ref[pl.ds(d0, block_d), pl.ds(ld, block_v)]
+      else:
+        w = w_ref[pl.ds(ld, block_v), pl.ds(d0, block_d)]
+      return acc + lax.dot_general(h, w, _contract(layout), preferred_element_type=jnp.float32,
+                                   precision=precision)
 
     logits = lax.fori_loop(0, d_model // block_d, d_chunk,
                            jnp.zeros((rows, block_v), jnp.float32))
@@ -186,15 +211,17 @@ def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperat
     ref[...] = val
 
 
-def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret):
+def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret, layout):
   rp, d_model = hidden.shape
-  vocab = unembed.shape[1]
+  vocab = unembed.shape[1 if layout == "dv" else 0]
   block_r, block_v = bs.block_r, bs.block_v
   block_d = bs.block_d
   if block_d is None:
-    block_d = next((c for c in (128, 64, 32, 16) if d_model % c == 0), d_model)
+    widest = 64 if unembed.dtype == jnp.float32 else 128
+    block_d = next((c for c in (128, 64, 32, 16) if c <= widest and d_model % c == 0), d_model)
   if vocab < block_v:  # tiny vocab: pad the (small) unembed; padded ids are masked via `vocab`
-    unembed = jnp.pad(unembed, ((0, 0), (0, block_v - vocab)))
+    pad_v = (0, block_v - vocab)
+    unembed = jnp.pad(unembed, ((0, 0), pad_v) if layout == "dv" else (pad_v, (0, 0)))
   v_read = max(vocab, block_v)
   n_tiles = _cdiv(vocab, block_v)
   row_tiles = rp // block_r
@@ -207,7 +234,8 @@ def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, 
   num_warps = bs.num_warps if bs.num_warps is not None else (4 if block_r <= 32 else 8)
   kernel = functools.partial(_triton_kernel, temperature=temperature, vocab=vocab,
                              v_read=v_read, block_v=block_v, block_d=block_d, tiles_per_split=tps,
-                             n_tiles=n_tiles)
+                             n_tiles=n_tiles, layout=layout,
+                             precision=_dot_precision(unembed.dtype))
   row_spec = pl.BlockSpec((block_r, 1), lambda i, s: (i, 0))
   out_spec = pl.BlockSpec((None, block_r, 1), lambda i, s: (s, i, 0))
   f32, i32 = jnp.float32, jnp.int32
@@ -217,7 +245,7 @@ def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, 
       grid=(row_tiles, splits),
       in_specs=[row_spec, row_spec, row_spec,
                 pl.BlockSpec((block_r, d_model), lambda i, s: (i, 0)),
-                pl.BlockSpec((d_model, unembed.shape[1]), lambda i, s: (0, 0))],
+                pl.BlockSpec(unembed.shape, lambda i, s: (0, 0))],
       out_specs=[out_spec] * 5,
       out_shape=out_shape,
       compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=bs.num_stages),
@@ -230,8 +258,9 @@ def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, 
 # --------------------------------------------- Mosaic ---------------------------------------------
 
 def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vocab, block_v,
-                tiles_per_split, n_tiles):
-  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, block_v]; 5 outputs [r, 128] then
+                tiles_per_split, n_tiles, layout, precision):
+  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, block_v] ("dv") or [block_v, D]
+  # ("vd"); 5 outputs [r, 128] then
   # 5 scratch [r, 128] (state broadcast over lanes). Grid (row tiles, S, tiles per split).
   outs, scratch = refs[:5], refs[5:]
   s_id, j = pl.program_id(1), pl.program_id(2)
@@ -245,8 +274,9 @@ def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vo
   @pl.when(tile < n_tiles)
   def _step():
     key = row_key(seed_ref[...], sid_ref[...], pos_ref[...])
-    logits = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32)
-    ids = tile * block_v + lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
+    logits = lax.dot_general(h_ref[...], w_ref[...], _contract(layout),
+                             preferred_element_type=jnp.float32, precision=precision)
+    ids = tile * block_v + lax.broadcasted_iota(jnp.int32, logits.shape, 1)  # full 2-D iota
     ok = ids < vocab  # the partial last block's padding holds garbage: masked by select
     carry = tuple(ref[...][:, :1] for ref in scratch)
     new = _tile_update(logits, ids, ok, key, carry, temperature)
@@ -259,11 +289,15 @@ def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vo
       o[...] = sc[...]
 
 
-def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret):
+def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret, layout):
   rp, d_model = hidden.shape
-  vocab = unembed.shape[1]
+  vocab = unembed.shape[1 if layout == "dv" else 0]
   block_r = bs.block_r
-  block_v = bs.block_v if vocab > bs.block_v else vocab  # a full-dim block is always legal
+  if vocab < _TPU_LANES:  # tiny vocab: pad the (small) unembed to one lane-dense tile
+    pad_v = (0, _TPU_LANES - vocab)
+    unembed = jnp.pad(unembed, ((0, 0), pad_v) if layout == "dv" else (pad_v, (0, 0)))
+  v_arr = unembed.shape[1 if layout == "dv" else 0]
+  block_v = min(bs.block_v, v_arr // _TPU_LANES * _TPU_LANES)  # multiple of 128, within V
   n_tiles = _cdiv(vocab, block_v)
   row_tiles = rp // block_r
   splits = bs.num_splits if bs.num_splits is not None else (2 if row_tiles == 1 else 1)
@@ -271,7 +305,17 @@ def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, int
   tps = _cdiv(n_tiles, splits)
   splits = _cdiv(n_tiles, tps)
   kernel = functools.partial(_tpu_kernel, temperature=temperature, vocab=vocab, block_v=block_v,
-                             tiles_per_split=tps, n_tiles=n_tiles)
+                             tiles_per_split=tps, n_tiles=n_tiles, layout=layout,
+                             precision=_dot_precision(unembed.dtype))
+  w_tile = lambda i, s, j: jnp.minimum(s * tps + j, n_tiles - 1)
+  if layout == "dv":
+    w_spec = pl.BlockSpec((d_model, block_v), lambda i, s, j: (0, w_tile(i, s, j)))
+  else:
+    w_spec = pl.BlockSpec((block_v, d_model), lambda i, s, j: (w_tile(i, s, j), 0))
+  itemsize = unembed.dtype.itemsize
+  need = (2 * (block_r * d_model + block_v * d_model) * itemsize  # double-buffered inputs
+          + 2 * 2 * 5 * block_r * _TPU_LANES * 4  # outputs and scratch
+          + 8 * block_r * block_v * 4)  # f32 temporaries: logits, x, z, noise, masks
   row_spec = pl.BlockSpec((block_r, 1), lambda i, s, j: (i, 0))
   out_spec = pl.BlockSpec((None, block_r, _TPU_LANES), lambda i, s, j: (s, i, 0))
   f32, i32 = jnp.float32, jnp.int32
@@ -281,13 +325,13 @@ def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, int
       grid=(row_tiles, splits, tps),
       in_specs=[row_spec, row_spec, row_spec,
                 pl.BlockSpec((block_r, d_model), lambda i, s, j: (i, 0)),
-                pl.BlockSpec((d_model, block_v),
-                             lambda i, s, j: (0, jnp.minimum(s * tps + j, n_tiles - 1)))],
+                w_spec],
       out_specs=[out_spec] * 5,
       out_shape=[jax.ShapeDtypeStruct((splits, rp, _TPU_LANES), dt) for dt in dts],
       scratch_shapes=[pltpu.VMEM((block_r, _TPU_LANES), dt) for dt in dts],
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "arbitrary"),
+          vmem_limit_bytes=int(min(max(need * 3 // 2, 16 << 20), _TPU_VMEM_CAP))),
       interpret=interpret,
       name="fused_sample_tpu",
   )(seeds, sids, pos, hidden, unembed)
@@ -300,7 +344,8 @@ def _resolve_blocks(bs: BlockSizes, backend: str, interpret: bool, r: int, d_mod
                     itemsize: int) -> BlockSizes:
   """Fill None fields with the backend's defaults and check the backend's tiling rule."""
   if backend == "triton":
-    block_r = bs.block_r if bs.block_r is not None else min(max(16, _next_pow2(r)), 128)
+    widest_r = 64 if itemsize == 4 else 128  # f32 tiles: half, to fit shared memory
+    block_r = bs.block_r if bs.block_r is not None else min(max(16, _next_pow2(r)), widest_r)
     block_v = bs.block_v if bs.block_v is not None else 128
     for name, val in (("block_r", block_r), ("block_v", block_v)):
       if not _is_pow2(val) or val < 16:
@@ -314,14 +359,16 @@ def _resolve_blocks(bs: BlockSizes, backend: str, interpret: bool, r: int, d_mod
       raise ValueError(f"fused_sample: block_d={block_d} breaks the Triton rule: a power of two "
                        f">= 16 that divides D={d_model}")
   else:
-    block_r = bs.block_r if bs.block_r is not None else min(_round_up(r, 8), 256)
+    sublanes = 16 if itemsize == 2 else 8  # 16-bit dtypes pack two rows per sublane
+    block_r = bs.block_r if bs.block_r is not None else min(_round_up(r, sublanes), 256)
     block_v = bs.block_v
     if block_v is None:  # widest tile whose double-buffered hidden + unembed blocks fit 12 MiB
       fits = lambda bv: 2 * (block_r + bv) * d_model * itemsize <= _TPU_VMEM_BUDGET
       block_v = next((bv for bv in (512, 256) if fits(bv)), 128)
-    if block_r % 8:
+    if block_r % sublanes:
       raise ValueError(f"fused_sample: block_r={block_r} breaks the TPU (8, 128) rule: rows are "
-                       "the sublane dim, so block_r must be a multiple of 8")
+                       f"the sublane dim, so block_r must be a multiple of {sublanes} for "
+                       f"{8 * itemsize}-bit operands")
     if block_v % _TPU_LANES:
       raise ValueError(f"fused_sample: block_v={block_v} breaks the TPU (8, 128) rule: vocab ids "
                        "are the lane dim, so block_v must be a multiple of 128")
@@ -329,9 +376,10 @@ def _resolve_blocks(bs: BlockSizes, backend: str, interpret: bool, r: int, d_mod
   return dataclasses.replace(bs, block_r=block_r, block_v=block_v, block_d=block_d)
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "backend", "block_sizes", "interpret"))
+@functools.partial(jax.jit, static_argnames=("temperature", "backend", "block_sizes", "interpret",
+                                             "layout"))
 def _fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature, backend,
-                  block_sizes, interpret):
+                  block_sizes, interpret, layout):
   r = hidden.shape[0]
   rp = _round_up(r, block_sizes.block_r)
   pad = lambda a: jnp.pad(a, ((0, rp - r),) + ((0, 0),) * (a.ndim - 1))
@@ -341,15 +389,18 @@ def _fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature, 
   pos = pad(positions.astype(jnp.int32)[:, None])
   impl = _fused_sample_triton if backend == "triton" else _fused_sample_tpu
   tokens, logprobs = impl(seeds, sids, pos, hidden, unembed, temperature=temperature,
-                          bs=block_sizes, interpret=interpret)
+                          bs=block_sizes, interpret=interpret, layout=layout)
   return tokens[:r], logprobs[:r]
 
 
 def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: float,
                  block_sizes: BlockSizes | None = None, backend: str = "auto",
-                 interpret: bool = False):
+                 interpret: bool = False, unembed_layout: str = "dv"):
   """Sample one token per row from softmax((hidden @ unembed) / temperature) with counter-based
   Gumbel noise; returns (tokens int32 [R], logprobs f32 [R]) equal to ``fused_sample_reference``.
+
+  unembed_layout: "dv" (unembed [D, V]) or "vd" (unembed [V, D], e.g. a tied embedding table
+  passed as is: D is contracted on both sides, nothing is transposed or copied).
 
   temperature: static; 0 means greedy (logprob under softmax(logits)). backend: "triton", "tpu" or
   "auto" (see ``tree_attention.resolve_backend``); ``interpret=True`` runs the body in the Pallas
@@ -360,11 +411,17 @@ def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: f
   t = temperature
   if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
     raise ValueError(f"fused_sample: temperature must be a finite number >= 0, got {t!r}")
-  if hidden.ndim != 2 or unembed.ndim != 2 or hidden.shape[1] != unembed.shape[0]:
-    raise ValueError(f"fused_sample: need hidden [R, D] and unembed [D, V] with the same D, got "
-                     f"hidden {hidden.shape}, unembed {unembed.shape}")
+  if unembed_layout not in LAYOUTS:
+    raise ValueError(f"fused_sample: unembed_layout must be one of {LAYOUTS}, got "
+                     f"{unembed_layout!r}")
+  d_axis = 0 if unembed_layout == "dv" else 1
+  if hidden.ndim != 2 or unembed.ndim != 2 or hidden.shape[1] != unembed.shape[d_axis]:
+    want = "[D, V]" if unembed_layout == "dv" else "[V, D]"
+    raise ValueError(f"fused_sample: need hidden [R, D] and unembed {want} "
+                     f"(unembed_layout={unembed_layout!r}) with the same D, got hidden "
+                     f"{hidden.shape}, unembed {unembed.shape}")
   r, d_model = hidden.shape
-  vocab = unembed.shape[1]
+  vocab = unembed.shape[1 - d_axis]
   if r < 1 or d_model < 1 or vocab < 1:
     raise ValueError(f"fused_sample: R, D, V must be >= 1, got hidden {hidden.shape}, unembed "
                      f"{unembed.shape}")
@@ -386,4 +443,5 @@ def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: f
                      f"{type(bs).__name__}")
   bs = _resolve_blocks(bs, backend, interpret, r, d_model, jnp.dtype(unembed.dtype).itemsize)
   return _fused_sample(hidden, unembed, seed, sample_ids, positions, temperature=float(t),
-                       backend=backend, block_sizes=bs, interpret=bool(interpret))
+                       backend=backend, block_sizes=bs, interpret=bool(interpret),
+                       layout=unembed_layout)
