@@ -1,0 +1,357 @@
+"""Slow path: degradation monitor, guarded head refresh (keep / exact rollback), compile-once,
+modes, checkpointable state."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specroll_jax import heads as heads_lib
+from specroll_jax import models
+from specroll_jax import records as records_lib
+from specroll_jax import slow_path as sp
+from specroll_jax.checkpoint import Checkpointer
+from specroll_jax.records import Records
+
+K, S, KC, TOP = 3, 20, 4, 16  # heads, support width (4 unused entries), candidates, used support
+# 2 Adam steps at the DESIGN lr (1e-5) barely move a random tiny model; 1e-2 makes the effect of
+# a refresh (and of a bad one) large against float noise.
+TRAIN_CFG = sp.SlowPathConfig.for_tests(learning_rate=1e-2)
+REFRESH_CFG = TRAIN_CFG.refresh_settings()  # what after_batch compiles with: one program for all
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  """(config, params, student heads, teacher heads). The refresh reads only the target's final
+  norm and unembedding, so params holds just those (a full init_params costs seconds on CPU).
+  The teacher is the student drifted by N(0, 0.1^2) on W and b: a fixed target at sparse TV ~0.3."""
+  config = models.ModelConfig.tiny(vocab_size=64)
+  d, v = config.hidden_size, config.vocab_size
+  rng = np.random.default_rng(0)
+  params = {"embed": {"embedding": jnp.asarray(0.3 * rng.standard_normal((v, d)), jnp.float32)},
+            "final_norm": {"scale": jnp.ones((d,), jnp.float32)}}
+  student = heads_lib.init(jax.random.key(1), config, K, scale=0.05)
+  drift = lambda x: x + jnp.asarray(0.1 * rng.standard_normal(x.shape), x.dtype)
+  teacher = student.replace(w=drift(student.w), b=drift(student.b))
+  return config, params, student, teacher
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _source_logits(config, params, source, h):
+  per = heads_lib.apply(config, params, source, h)  # [K, n, K, V]: head k reads h[k]
+  return jnp.stack([per[k, :, k] for k in range(K)])
+
+
+def make_records(config, params, source, seed, n, tv=0.1) -> Records:
+  """A fresh buffer of n records per head whose target distribution is ``source`` head k's (a
+  fixed target): support = its top-16 plus 4 unused ids, committed token sampled from it."""
+  rng = np.random.default_rng(seed)
+  h = rng.standard_normal((K, n, config.hidden_size)).astype(np.float32)
+  logits = np.asarray(_source_logits(config, params, source, h), np.float64)
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  ids = np.argsort(-p, -1)[..., :TOP]
+  vals = np.take_along_axis(p, ids, -1)
+  pad = lambda x, v: np.concatenate([x, np.full(x.shape[:-1] + (S - TOP,), v, x.dtype)], -1)
+  token = (p.cumsum(-1) < rng.random((K, n, 1))).sum(-1).clip(0, p.shape[-1] - 1)
+  cands = ids[..., :KC]
+  f32, i32 = lambda x: jnp.asarray(x, jnp.float32), lambda x: jnp.asarray(x, jnp.int32)
+  return Records(hidden=f32(h), correction=f32(np.zeros_like(h)), support=i32(pad(ids, -1)),
+                 p=f32(pad(vals / vals.sum(-1, keepdims=True), 0.0)), p_tail=f32(1 - vals.sum(-1)),
+                 token=i32(token), candidates=i32(cands),
+                 hit=jnp.asarray((cands == token[..., None]).any(-1)),
+                 tv=f32(np.broadcast_to(np.asarray(tv, np.float32).reshape(-1, 1), (K, n))),
+                 position=i32(np.broadcast_to(np.arange(n), (K, n))),
+                 valid=jnp.ones((K, n), bool), count=i32(np.full((K,), n)))
+
+
+_merge = jax.jit(records_lib.merge)
+
+
+def fill(state, recs):
+  return state.replace(reservoir=_merge(state.reservoir, recs))
+
+
+def leaves_equal(a, b) -> bool:
+  """Same structure and every leaf bit for bit (NaN included)."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  same = lambda x, y: (x.dtype == y.dtype and x.shape == y.shape
+                       and np.asarray(x).tobytes() == np.asarray(y).tobytes())
+  return (jax.tree.structure(a) == jax.tree.structure(b)
+          and all(same(x, y) for x, y in zip(la, lb, strict=True)))
+
+
+def head_slice(tree, k):
+  return jax.tree.map(lambda x: x[k], tree)
+
+
+# --- monitor ------------------------------------------------------------------------------------
+
+MON_CFG = sp.SlowPathConfig.for_tests(calibration_batches=10, check_every=2, min_records=16,
+                                      patience=2, cooldown_batches=6)
+
+
+def run_monitor(cfg, shifts, n_batches, records=20, seed=0, noise=0.02):
+  """Feed synthetic per-batch stats: TV 0.3 and acceptance 0.6 plus N(0, noise) per head, plus
+  ``shifts(b) -> (dtv [K], dacc [K])`` at batch b (1-based). Returns per batch (reason, refresh)."""
+  rng = np.random.default_rng(seed)
+  upd = jax.jit(sp.monitor_update, static_argnums=0)
+  m, out = sp.monitor_init(cfg, K), []
+  for b in range(1, n_batches + 1):
+    dtv, dacc = shifts(b)
+    tv = 0.3 + noise * rng.standard_normal(K) + dtv
+    acc = 0.6 + noise * rng.standard_normal(K) + dacc
+    m, d = upd(cfg, m, jnp.asarray(tv, jnp.float32), jnp.asarray(acc, jnp.float32),
+               jnp.full((K,), records, jnp.float32), jnp.float32(1.0))
+    out.append((sp.REASONS[int(d.reason)], np.asarray(d.refresh)))
+  return m, out
+
+
+def fires(out):
+  return [(b + 1, r.nonzero()[0].tolist()) for b, (_, r) in enumerate(out) if r.any()]
+
+
+def sustained(start=11):
+  return lambda b: ((np.array([0.10, 0.20, 0.15]), np.full(K, -0.1)) if b >= start
+                    else (np.zeros(K), np.zeros(K)))
+
+
+def test_monitor_fires_on_sustained_degradation_worst_two_heads_after_patience_with_cooldown():
+  _, out = run_monitor(MON_CFG, sustained(), 30)
+  reasons = [r for r, _ in out]
+  assert reasons[:10] == ["calibrating"] * 10
+  assert reasons[10] == "waiting" and reasons[11] == "degraded"  # first degraded check: patience
+  f = fires(out)
+  assert f[0] == (14, [1, 2])  # second consecutive degraded check; the 2 worst of 3 degraded
+  assert all(len(heads) <= 2 for _, heads in f)
+  gaps = np.diff([b for b, _ in f])
+  assert len(f) >= 3 and (gaps >= MON_CFG.cooldown_batches).all(), f
+  assert "cooldown" in reasons[14:20]
+
+
+@pytest.mark.parametrize("patience", [1, 3])
+def test_monitor_patience(patience):
+  _, out = run_monitor(MON_CFG.replace(patience=patience), sustained(), 18)
+  assert fires(out)[0][0] == 12 + 2 * (patience - 1)  # checks at 12, 14, 16
+
+
+def test_monitor_quiet_on_noise_and_on_a_one_batch_dip():
+  _, out = run_monitor(MON_CFG, lambda b: (np.zeros(K), np.zeros(K)), 80, seed=1)
+  assert not fires(out) and {r for r, _ in out} <= {"calibrating", "waiting", "healthy"}
+  dip = lambda b: (np.full(K, 0.3), np.full(K, -0.3)) if b == 15 else (np.zeros(K), np.zeros(K))
+  _, out = run_monitor(MON_CFG, dip, 40, seed=2)
+  assert not fires(out)
+  assert out[15][0] == "degraded" and out[17][0] == "healthy"  # one degraded check, then reset
+
+
+def test_monitor_needs_records_and_an_acceptance_drop():
+  # 5 records per batch: the check at 12 has 10 < 16 records; the window grows to the next check
+  m, out = run_monitor(MON_CFG, sustained(), 14, records=5)
+  assert out[11][0] == "too_few_records" and out[13][0] == "degraded"
+  # TV up but acceptance unchanged: never degraded
+  _, out = run_monitor(MON_CFG, lambda b: (np.full(K, 0.3 * (b > 10)), np.zeros(K)), 30)
+  assert not fires(out) and "degraded" not in {r for r, _ in out}
+
+
+# --- refresh -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def refreshed(tiny):
+  """A kept refresh of heads 0 and 2 on records of a fixed target (the teacher heads)."""
+  config, params, student, teacher = tiny
+  state = fill(sp.init(TRAIN_CFG, student, support_size=S, num_candidates=KC),
+               make_records(config, params, teacher, 0, TRAIN_CFG.per_head(K)))
+  mask = jnp.array([True, False, True])
+  heads, opt, res = sp.refresh_jit(REFRESH_CFG, config, params, student, state.opt_state,
+                                   state.reservoir, mask, jnp.int32(2))
+  return state, heads, opt, jax.device_get(res)
+
+
+def test_refresh_lowers_heldout_ce_and_tv_and_is_kept_other_heads_bit_identical(tiny, refreshed):
+  _, _, student, _ = tiny
+  state, heads, opt, res = refreshed
+  assert res.trained.tolist() == [True, False, True] and res.keep.tolist() == [True, False, True]
+  assert res.before.n[0] == res.after.n[0] > 0  # the held-out records
+  for k in (0, 2):
+    assert res.after.ce[k] < res.before.ce[k] and res.after.tv[k] < res.before.tv[k]
+    assert not leaves_equal(head_slice(heads, k), head_slice(student, k))
+  assert leaves_equal(head_slice(heads, 1), head_slice(student, 1))
+  assert leaves_equal(head_slice(opt, 1), head_slice(state.opt_state, 1))
+
+
+def test_evaluate_matches_a_dense_reference_at_any_chunk_size(tiny):
+  """Sparse CE (support + tail bucket), sparse TV and token CE against numpy on full-vocab
+  softmaxes; chunk 48 pads 128 records to 3 chunks."""
+  config, params, student, teacher = tiny
+  recs = make_records(config, params, teacher, 3, 128)
+  q = np.asarray(_source_logits(config, params, student, recs.hidden), np.float64)
+  q = np.exp(q - q.max(-1, keepdims=True))
+  q /= q.sum(-1, keepdims=True)
+  sup, p, pt = np.asarray(recs.support), np.asarray(recs.p, np.float64), np.asarray(recs.p_tail)
+  used = sup >= 0
+  q_s = np.where(used, np.take_along_axis(q, np.maximum(sup, 0), -1), 0.0)
+  ce = -(np.where(used, p * (1 - pt[..., None]) * np.log(np.maximum(q_s, 1e-300)), 0).sum(-1)
+         + pt * np.log(1 - q_s.sum(-1)))
+  tv = 0.5 * np.abs(p - q_s / q_s.sum(-1, keepdims=True)).sum(-1)
+  tok = -np.log(np.take_along_axis(q, np.asarray(recs.token)[..., None], -1)[..., 0])
+  ev = jax.jit(sp.evaluate, static_argnums=(0, 1))
+  for chunk in (128, 48):
+    got = ev(sp.SlowPathConfig.for_tests(chunk_size=chunk), config, params, student, recs,
+             recs.valid)
+    np.testing.assert_allclose(got.ce, ce.mean(1), rtol=1e-5)
+    np.testing.assert_allclose(got.tv, tv.mean(1), rtol=1e-5)
+    np.testing.assert_allclose(got.token_ce, tok.mean(1), rtol=1e-5)
+    assert got.n.tolist() == [128] * K
+
+
+def test_rollback_restores_parameters_and_optimiser_state_exactly(tiny, refreshed):
+  """Held-out records whose target is the heads' own distribution: any update raises held-out
+  CE and TV, so every head is rolled back, to the bit."""
+  config, params, _, teacher = tiny
+  state, heads, opt, _ = refreshed  # a non-trivial optimiser state (moments, counts)
+  c = TRAIN_CFG.per_head(K)
+  train = make_records(config, params, teacher, 1, c)
+  own = make_records(config, params, heads, 2, c)
+  held = sp.holdout_slots(TRAIN_CFG, c)
+  recs = jax.tree.map(
+      lambda a, b: jnp.where(held.reshape((1, c) + (1,) * (a.ndim - 2)), b, a) if a.ndim > 1 else a,
+      train, own)
+  res_state = fill(state, recs)
+  new_heads, new_opt, res = sp.refresh_jit(REFRESH_CFG, config, params, heads, opt,
+                                           res_state.reservoir, jnp.ones(K, bool), jnp.int32(2))
+  assert res.trained.all() and not res.keep.any()
+  assert (res.after.ce > res.before.ce).all() and (res.after.tv > res.before.tv).all()
+  assert leaves_equal(new_heads, heads) and leaves_equal(new_opt, opt)
+
+
+def test_refresh_compiles_once_for_any_head_mask_and_reservoir_content(tiny, refreshed):
+  config, params, _, teacher = tiny
+  state, heads, opt, _ = refreshed
+  before = sp.refresh_jit._cache_size()
+  assert before >= 1
+  for seed, mask, steps in ((5, [False, True, False], 1), (6, [True, True, True], 2)):
+    res_state = fill(state, make_records(config, params, teacher, seed, 16))
+    out = sp.refresh_jit(REFRESH_CFG, config, params, heads, opt, res_state.reservoir,
+                         jnp.array(mask), jnp.int32(steps))
+    assert np.asarray(out[2].trained).tolist() == mask
+  assert sp.refresh_jit._cache_size() == before
+
+
+# --- host entry and modes ----------------------------------------------------------------------
+
+
+def batches(tiny, n, tv=(0.1, 0.5, 0.3), records=16):
+  config, params, _, teacher = tiny
+  return [make_records(config, params, teacher, 100 + i, records, tv=tv)
+          for i in range(n)]
+
+
+def test_mode_off_never_refreshes(tiny):
+  cfg = sp.SlowPathConfig.for_tests(mode="off")
+  config, params, student, _ = tiny
+  state = sp.init(cfg, student, support_size=S, num_candidates=KC)
+  heads, reports = student, []
+  for r in batches(tiny, 4):
+    state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r,
+                                       np.array([0.7, 0.5, 0.4]), 10.0)
+    reports.append(rep)
+  assert all(r["decision"] == "off" and not r["heads"] for r in reports)
+  assert heads is tiny[2] and int(state.tried.sum()) == 0
+  assert int(state.reservoir.valid.sum()) == 4 * 16 * K  # records still merged
+
+
+def test_mode_every_batch_refreshes_every_batch_and_compiles_once(tiny, caplog):
+  cfg = TRAIN_CFG.replace(mode="every_batch")
+  config, params, student, _ = tiny
+  state = sp.init(cfg, student, support_size=S, num_candidates=KC)
+  heads, reports = student, []
+  for i, r in enumerate(batches(tiny, 3)):
+    if i == 1:
+      n1 = sp.refresh_compiles()
+      caplog.clear()
+    with jax.log_compiles(i > 0):
+      state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r,
+                                         np.array([0.7, 0.5, 0.4]), 10.0)
+    reports.append(rep)
+  assert all(r["decision"] == "every_batch" and r["heads"] == [0, 1, 2] for r in reports)
+  assert state.tried.tolist() == [3, 3, 3]
+  assert (state.kept + state.rolled_back).tolist() == [3, 3, 3]
+  # batches 2 and 3 (new records, new parameters) compiled nothing at all
+  assert sp.refresh_compiles() == n1
+  assert not [m for m in caplog.messages if "ompil" in m], caplog.messages
+  assert reports[1]["compile_seconds"] == reports[2]["compile_seconds"] == 0.0
+  assert all(r["refresh_seconds"] > 0 and r["steps"] == 2 for r in reports)
+  assert reports[0]["batch"] == 1 and reports[0]["records"] == [16, 16, 16]
+
+
+def test_mode_scheduled_thresholds_worst_head_one_step_and_time_budget(tiny):
+  cfg = TRAIN_CFG.replace(mode="scheduled", scheduled_min_records=96, scheduled_min_batches=3)
+  config, params, student, _ = tiny
+  state = sp.init(cfg, student, support_size=S, num_candidates=KC)
+  heads, got = student, []
+  # rollout time so short that the first refresh's cost exhausts the 1.5% budget, then long
+  for r, secs in zip(batches(tiny, 9), [1e-6] * 6 + [1e4] * 3, strict=True):
+    state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r,
+                                       np.array([0.7, 0.5, 0.4]), secs)
+    got.append((rep["decision"], rep["heads"], rep["steps"]))
+  # 48 records per batch: batch 2 has 96 records but only 2 batches; batch 3 fires
+  assert got[0][0] == got[1][0] == "schedule_wait"
+  assert got[2] == ("scheduled", [1], 1)  # head 1 has the highest TV; one step
+  assert [g[0] for g in got[3:5]] == ["schedule_wait"] * 2
+  assert got[5][0] == "over_budget" and not got[5][1]
+  assert got[6] == ("scheduled", [1], 1)
+  assert int(state.tried.sum()) == 2
+
+
+def test_after_batch_degradation_end_to_end(tiny):
+  """Default mode through the host entry: TV of the matured records jumps after calibration and
+  stays up while acceptance drops; after patience the worst heads are refreshed."""
+  cfg = TRAIN_CFG.replace(calibration_batches=4, check_every=1, patience=2, min_records=16)
+  config, params, student, _ = tiny
+  state = sp.init(cfg, student, support_size=S, num_candidates=KC)
+  heads = student
+  for i, r in enumerate(batches(tiny, 4, tv=(0.3, 0.3, 0.3)) + batches(tiny, 2, tv=(0.4, .9, .8))):
+    acc = np.array([0.6, 0.6, 0.6]) - 0.2 * (i >= 4)
+    state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r, acc, 1.0)
+  assert rep["decision"] == "sustained_degradation" and rep["heads"] == [1, 2]
+  assert len(rep["ce_before"]) == 2 and rep["refresh_seconds"] > 0
+  assert state.tried.tolist() == [0, 1, 1]
+  assert leaves_equal(head_slice(heads, 0), head_slice(student, 0))
+
+
+# --- state ---------------------------------------------------------------------------------------
+
+
+def test_state_is_an_array_pytree_and_round_trips_through_orbax(tiny, refreshed, tmp_path):
+  _, _, student, _ = tiny
+  state, _, opt, _ = refreshed
+  state = state.replace(opt_state=opt)
+  assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(state))
+  assert leaves_equal(jax.tree.map(lambda x: x, state), state)
+  with Checkpointer(tmp_path / "ckpt", async_save=False) as ckpt:
+    ckpt.save(0, state)
+    like = jax.eval_shape(lambda: sp.init(TRAIN_CFG, student, support_size=S, num_candidates=KC))
+    restored, _ = ckpt.restore(like=like)
+  assert type(restored) is sp.SlowPathState and leaves_equal(restored, state)
+
+
+def test_bad_input_raises_value_error_naming_it(tiny):
+  config, params, student, _ = tiny
+  with pytest.raises(ValueError, match="mode"):
+    sp.SlowPathConfig(mode="sometimes")
+  with pytest.raises(ValueError, match="patience must be an int >= 1"):
+    sp.SlowPathConfig(patience=0)
+  with pytest.raises(ValueError, match="reservoir_size"):
+    sp.init(sp.SlowPathConfig(reservoir_size=12), student, support_size=S, num_candidates=KC)
+  state = sp.init(MON_CFG, student, support_size=S, num_candidates=KC)
+  rec = batches(tiny, 1)[0]
+  with pytest.raises(ValueError, match="head_acceptance must have shape"):
+    sp.after_batch(MON_CFG, state, config, params, student, rec, np.ones(2), 1.0)
+  with pytest.raises(ValueError, match="rollout_seconds"):
+    sp.after_batch(MON_CFG, state, config, params, student, rec, np.ones(K), -1.0)
+  with pytest.raises(ValueError, match="batch_records.support"):
+    sp.after_batch(MON_CFG, state, config, params, student,
+                   records_lib.empty(K, 4, config.hidden_size, S + 1, KC), np.ones(K), 1.0)
