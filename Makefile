@@ -1,14 +1,18 @@
-# Bootstraps .venv from python3 alone, then runs the main job or the tests.
+# Bootstraps a virtual environment from python3 alone, then runs the main job or the tests.
+#   make run | make test                   Python 3.11 line (jax 0.10), .venv, full test extra
+#   make test PY=python3.12 VENV=.venv312 EXTRAS=core-test TESTS="tests/test_sampling.py ..."
 PY ?= python3
-VENV := .venv
-STAMP := $(VENV)/.installed
+VENV ?= .venv
+EXTRAS ?= test
+TESTS ?= tests
+STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: run test lint venv clean
+.PHONY: run test lint venv
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q --upgrade pip
-	$(VENV)/bin/python -m pip install -q -e '.[test]'
+	$(VENV)/bin/python -m pip install -q -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -17,7 +21,7 @@ run: $(STAMP)
 	$(VENV)/bin/python experiments/gsm8k.py $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests $(ARGS)
+	$(VENV)/bin/python -m pytest $(TESTS) $(ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specroll_jax pallas_kernels experiments tests

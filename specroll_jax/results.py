@@ -72,4 +72,5 @@ class Rollout:
   logprobs: Float[Array, "B M"]  # logprob of each token under the sampling distribution, 0 after
   stats: RolloutStats
   hidden: Float[Array, "B M D"] | None = None  # pre-norm hidden at the anchor before token j
+  proposer_state: Any = None  # the proposer's shared (not per-row) state at the end, e.g. records
   adaptation: Any = None  # the adaptation state after this rollout (when one was passed in)

@@ -161,9 +161,10 @@ def sample_from_hidden(config, params, hidden, seed, sample_ids, positions, cfg:
     lead = hidden.shape[:-1]
     normed = _dec.final_norm(config, params, hidden).reshape(-1, hidden.shape[-1])
     flat = lambda a: jnp.broadcast_to(jnp.asarray(a), lead).reshape(-1).astype(jnp.int32)
-    tok, lp = fused_sample(normed, _dec.unembedding(config, params).astype(normed.dtype), seed,
-                           flat(sample_ids), flat(positions), temperature=float(cfg.temperature),
-                           interpret=kernels.interpret)
+    w, layout = _dec.unembedding_for_kernel(config, params)
+    tok, lp = fused_sample(normed, w.astype(normed.dtype), seed, flat(sample_ids),
+                           flat(positions), temperature=float(cfg.temperature),
+                           interpret=kernels.interpret, unembed_layout=layout)
     return tok.reshape(lead), lp.reshape(lead), ~jnp.isfinite(lp.reshape(lead))
   logits = _dec.logits_from_hidden(config, params, hidden)
   return sample(logits, seed, sample_ids, positions, cfg)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import responses as _resp
+from specroll_jax import sampling as _sampling
 from specroll_jax import tree as _tree
 from specroll_jax import verify as _verify
 from specroll_jax._vma import vary_like
@@ -69,6 +70,7 @@ class SpecState:
   slots: Slots
   out: _resp.Outputs
   counters: Counters
+  shared: Any  # the proposer's state shared across rows (never compacted)
 
 
 def bucket_shapes(spec: SpecConfig, proposer: Proposer, batch: int) -> tuple[tuple[int, int], ...]:
@@ -91,12 +93,12 @@ def init_state(config, params, proposer: Proposer, proposer_params, prompt_token
   history = jnp.full((b, c), -1, jnp.int32).at[:, :w].set(
       jnp.where(known, prompt_tokens, -1).astype(jnp.int32)[:, :w])
   history = history.at[rows, prompt_lengths].set(st.token, mode="drop")
-  target = Target(config=config, params=params)
-  pstate = proposer.init(target, proposer_params, RowsInit(
+  target = Target(config=config, params=params, sampling=settings.sampling)
+  prow, pshared = proposer.split_state(proposer.init(target, proposer_params, RowsInit(
       prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths, sample_ids=sample_ids, row=rows,
-      first_token=st.token, hidden=st.hidden))
+      first_token=st.token, hidden=st.hidden)))
   slots = Slots(cache=st.cache, root=st.token, hidden=st.hidden, row=rows, sample_ids=sample_ids,
-                n_out=st.n_out, done=st.done, history=history, proposer=pstate)
+                n_out=st.n_out, done=st.done, history=history, proposer=prow)
   kd = proposer.max_depth
   zk = jnp.zeros((kd,), jnp.int32)
   counters = Counters(
@@ -105,7 +107,7 @@ def init_state(config, params, proposer: Proposer, proposer_params, prompt_token
       active_trace=jnp.zeros((settings.max_new_tokens + 1,), jnp.int32),
       bucket_forwards=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
       proposer=proposer.init_stats())
-  state = SpecState(slots=slots, out=st.out, counters=counters)
+  state = SpecState(slots=slots, out=st.out, counters=counters, shared=pshared)
   return vary_like(state, params, proposer_params, prompt_tokens, prompt_lengths, sample_ids,
                    eos_ids, seed)
 
@@ -133,8 +135,8 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
   d1 = proposer.max_depth + 1
   active = ~sl.done
   length = sl.cache.lengths  # L: position of the root
-  target = Target(config=config, params=params)
-  pstate = sl.proposer
+  target = Target(config=config, params=params, sampling=settings.sampling)
+  pstate = proposer.join_state(sl.proposer, s.shared)
   if num_nodes == 0:  # nothing to propose: the vanilla decode step
     hid, cache, tok, lp, nf = decode_step(config, params, sl.root, sl.cache, active, seed,
                                           sl.sample_ids, settings)
@@ -170,19 +172,23 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
   r_idx = jnp.broadcast_to(jnp.arange(sl.root.shape[0])[:, None], em.keep.shape)
   history = sl.history.at[r_idx, jnp.where(em.keep, length[:, None] + 1 + j, c)].set(
       tokens, mode="drop")
-  topm_logits = topm_ids = None
-  if proposer.feedback_topm > 0:
-    logits = _dec.logits_from_hidden(config, params, path_hidden)  # [R, D1, V]: path nodes only
-    topm_logits, topm_ids = jax.lax.top_k(logits, proposer.feedback_topm)
+  topm_ids = topm_lp = lse = None
+  if proposer.feedback_topm > 0:  # the sampling distribution at the path nodes only
+    x = _sampling.allowed_logits(_dec.logits_from_hidden(config, params, path_hidden),
+                                 settings.sampling)  # [R, D1, V]
+    lse = jax.nn.logsumexp(x, axis=-1)
+    top_x, topm_ids = jax.lax.top_k(x, proposer.feedback_topm)
+    topm_lp = top_x - lse[..., None]
   fb = Feedback(tree=tr, target_tokens=target_tokens, accepted=accepted, path=path,
                 path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
                 position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
-                done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_logits=topm_logits,
-                topm_ids=topm_ids)
+                done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=topm_ids,
+                topm_logprobs=topm_lp, lse=lse)
   pstate, pstats = proposer.update(target, proposer_params, pstate, fb)
+  prow, pshared = proposer.split_state(pstate)
   slots = sl.replace(cache=cache, root=jnp.where(active, new_root, sl.root),
                      hidden=jnp.where(active[:, None], new_hidden, sl.hidden), n_out=em.n_out,
-                     done=em.done, history=history, proposer=pstate)
+                     done=em.done, history=history, proposer=prow)
   ct = s.counters
   n_active = active.sum().astype(jnp.int32)
   ks = jnp.arange(1, proposer.max_depth + 1)[None]
@@ -197,7 +203,7 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
       active_trace=ct.active_trace.at[ct.forwards].add(n_active, mode="drop"),
       bucket_forwards=ct.bucket_forwards.at[bucket].add(1),
       proposer=jax.tree.map(jnp.add, ct.proposer, pstats))
-  return SpecState(slots=slots, out=em.out, counters=counters)
+  return SpecState(slots=slots, out=em.out, counters=counters, shared=pshared)
 
 
 def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecState, eos_ids,
@@ -231,7 +237,7 @@ def finish(state: SpecState, settings: DecodeSettings) -> Rollout:
   stats = RolloutStats(target_forwards=ct.forwards, row_forwards=ct.row_forwards,
                        tokens=out.lengths.sum(), nonfinite=out.nonfinite, spec=spec_stats)
   return Rollout(tokens=tokens, lengths=out.lengths, logprobs=logprobs, stats=stats,
-                 hidden=out.hidden)
+                 hidden=out.hidden, proposer_state=state.shared)
 
 
 def speculative_rollout(config, params, proposer: Proposer, proposer_params, prompt_tokens,

@@ -304,12 +304,22 @@ def unembedding(config: ModelConfig, params) -> Float[Array, "D V"]:
   return params["lm_head"]["kernel"]
 
 
+def unembedding_for_kernel(config: ModelConfig, params):
+  """(matrix, layout) for the fused sampler without any transpose: the tied embedding table
+  [V, D] as is ("vd"), or the untied lm_head kernel [D, V] ("dv")."""
+  if config.tie_word_embeddings:
+    return params["embed"]["embedding"], "vd"
+  return params["lm_head"]["kernel"], "dv"
+
+
 def final_norm(config: ModelConfig, params, hidden):
   return rms_norm(hidden, params["final_norm"]["scale"], config.rms_norm_eps)
 
 
 def logits_from_hidden(config: ModelConfig, params, hidden) -> Float[Array, "... V"]:
-  """Final norm + unembedding of pre-norm hidden states (what the heads and the sampler use)."""
+  """Final norm + unembedding of pre-norm hidden states (what the heads and the sampler use).
+  A tied embedding table [V, D] is contracted on D as is (no transposed copy)."""
   normed = final_norm(config, params, hidden)
-  return jnp.einsum("...d,dv->...v", normed, unembedding(config, params).astype(normed.dtype)
-                    ).astype(jnp.float32)
+  w, layout = unembedding_for_kernel(config, params)
+  eq = "...d,vd->...v" if layout == "vd" else "...d,dv->...v"
+  return jnp.einsum(eq, normed, w.astype(normed.dtype)).astype(jnp.float32)

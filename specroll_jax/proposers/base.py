@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax.models.config import ModelConfig
+from specroll_jax.sampling import SamplingConfig
 from specroll_jax.tree import Tree
 
 PyTree = Any
@@ -34,10 +35,11 @@ PyTree = Any
 @flax.struct.dataclass
 class Target:
   """The model being sampled (frozen during a rollout): what proposers may read (e.g. the final
-  norm and the shared unembedding)."""
+  norm and the shared unembedding) and how it samples."""
 
   config: ModelConfig = flax.struct.field(pytree_node=False)
   params: PyTree
+  sampling: SamplingConfig = flax.struct.field(pytree_node=False, default=SamplingConfig())
 
 
 @flax.struct.dataclass
@@ -89,8 +91,13 @@ class Feedback:
   done: Bool[Array, " R"]  # the row is finished after this step
   row: Int[Array, " R"]
   sample_ids: Int[Array, " R"]
-  topm_logits: Float[Array, "R D1 M"] | None = None  # the target's top-m raw logits at path nodes
-  topm_ids: Int[Array, "R D1 M"] | None = None  # (only when the proposer sets feedback_topm > 0)
+  # Only when the proposer sets feedback_topm = m > 0: the target's sampling distribution at each
+  # path node (the distribution tokens[:, j] was drawn from): its top-m ids and log-probabilities,
+  # and the logsumexp of its tempered (top-k/top-p restricted) logits, so a proposer can get the
+  # exact probability of any other id from path_hidden. Never [R, N, V].
+  topm_ids: Int[Array, "R D1 M"] | None = None
+  topm_logprobs: Float[Array, "R D1 M"] | None = None
+  lse: Float[Array, "R D1"] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +125,19 @@ class Proposer:
     """Raise ValueError when ``params`` do not fit the model (before tracing)."""
 
   def init(self, target: Target, params: PyTree, rows: RowsInit) -> PyTree:
-    """Per-row state for a new batch (every leaf [R, ...]); () when the proposer has none."""
+    """State for a new batch; () when the proposer has none. By default every leaf is per row
+    ([R, ...]); see ``split_state`` for state shared across rows."""
     return ()
+
+  def split_state(self, state: PyTree) -> tuple[PyTree, PyTree]:
+    """(per-row part, shared part) of a state. The engine compacts only the per-row part (every
+    leaf [R, ...]); the shared part (e.g. state per GRPO group, or a record buffer) stays as is.
+    Default: all of it is per row."""
+    return state, ()
+
+  def join_state(self, rows: PyTree, shared: PyTree) -> PyTree:
+    """Inverse of ``split_state``."""
+    return rows
 
   def propose(self, target: Target, params: PyTree, state: PyTree, inp: ProposeInput, *,
               num_nodes: int) -> tuple[Tree, PyTree]:
