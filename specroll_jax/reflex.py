@@ -82,6 +82,7 @@ class ReflexConfig:
   gain_z: float = 1.96  # 95% bounds of the per-batch mean gain
   share_group: int = 0  # G > 0: rows r // G share one fast state (a GRPO group); 0: per row
   record_capacity: int = 512  # matured records kept per head per rollout for the slow path
+  apply_corrections: bool = True  # False: records and statistics only (the heads stay static)
 
   def __post_init__(self):
     k = self.num_heads
@@ -107,6 +108,9 @@ class ReflexConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"ReflexConfig.{name} must be an int >= 0, got {v!r}")
+    if not isinstance(self.apply_corrections, bool):
+      raise ValueError(f"ReflexConfig.apply_corrections must be a bool, got "
+                       f"{self.apply_corrections!r}")
     if not (0 < self.safety_min <= self.safety_start <= self.safety_max):
       raise ValueError(f"ReflexConfig safety must satisfy 0 < safety_min <= safety_start <= "
                        f"safety_max, got {self.safety_min}, {self.safety_start}, "
@@ -218,7 +222,8 @@ def gate(cfg: ReflexConfig, fast: FastState, safety):
   rms_m = _rms(fast.m)
   low = lcb(fast, cfg.lcb_z)
   finite = jnp.isfinite(fast.m).all(-1)
-  eligible = ((low > 0) & (fast.count >= jnp.asarray(cfg.min_obs, jnp.float32))
+  eligible = (cfg.apply_corrections & (low > 0)
+              & (fast.count >= jnp.asarray(cfg.min_obs, jnp.float32))
               & (fast.severity >= jnp.asarray(cfg.min_severity, jnp.float32))
               & (rms_m >= cfg.min_state_rms) & finite)
   trust = jnp.sqrt(jnp.clip(low / cfg.lcb_scale, 0, 1) * jnp.clip(rms_m / cfg.rms_scale, 0, 1))

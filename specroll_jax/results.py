@@ -74,3 +74,4 @@ class Rollout:
   hidden: Float[Array, "B M D"] | None = None  # pre-norm hidden at the anchor before token j
   proposer_state: Any = None  # the proposer's shared (not per-row) state at the end, e.g. records
   adaptation: Any = None  # the adaptation state after this rollout (when one was passed in)
+  adaptation_report: dict | None = flax.struct.field(pytree_node=False, default=None)

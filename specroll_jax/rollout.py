@@ -221,7 +221,7 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
              spec: SpecConfig | None = None, heads=None, proposer: Proposer | None = None,
              proposer_params=None, kernels: str | Kernels = "auto", return_hidden: bool = False,
              on_nonfinite: str = "raise", allow_duplicate_sample_ids: bool = False,
-             profile: bool = False) -> Rollout:
+             profile: bool = False, adaptation=None) -> Rollout:
   """Sample one response per prompt from the target.
 
   prompts: a list of token-id lists (ragged) or a padded [B, P] integer array with
@@ -241,6 +241,9 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
     ``stats.nonfinite``). NaN/inf logits are never sampled.
   profile: run the speculative buckets one by one from the host and report their wall-clock in
     ``stats.bucket_times`` (otherwise the whole rollout is one compiled function).
+  adaptation: an ``adaptation.AdaptationState`` (heads + Reflex + slow path) to propose with; the
+    returned ``Rollout.adaptation`` is the state for the next batch and
+    ``Rollout.adaptation_report`` says what the fast and slow paths did (plain numbers).
   """
   if not isinstance(sampling, SamplingConfig):
     raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -248,6 +251,22 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
     raise ValueError(f"on_nonfinite must be 'raise' or 'flag', got {on_nonfinite!r}")
   _check_seed(seed)
   kern = Kernels.resolve(kernels)
+  if adaptation is not None:
+    from specroll_jax import adaptation as _adapt
+    if not isinstance(adaptation, _adapt.AdaptationState):
+      raise ValueError(f"adaptation must be an adaptation.AdaptationState, got "
+                       f"{type(adaptation).__name__}")
+    if heads is not None or proposer is not None or proposer_params is not None:
+      raise ValueError("adaptation= brings its own proposer; do not pass heads=, proposer= or "
+                       "proposer_params= with it")
+    want = adaptation.config.for_sampling(sampling).slow.temperature
+    if adaptation.config.slow.mode != "off" and adaptation.config.slow.temperature != want:
+      raise ValueError(
+          f"adaptation's SlowPathConfig.temperature={adaptation.config.slow.temperature} does not "
+          f"match the sampling temperature (records are at {want}); build the state with "
+          "AdaptationConfig.for_sampling(sampling)")
+    proposer, proposer_params = _adapt.proposer(adaptation)
+    spec = spec or SpecConfig()
   spec, proposer, proposer_params = resolve_proposer(spec, heads, proposer, proposer_params)
   if proposer is not None:
     proposer.validate(config, proposer_params)
@@ -260,6 +279,7 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
                             return_hidden=bool(return_hidden), pad_id=pad_id)
   args = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(batch.sample_ids),
           jnp.asarray(batch.eos_ids), jnp.uint32(seed))
+  t0 = time.perf_counter()
   if proposer is None:
     out = _vanilla_jit(config, params, *args, settings=settings)
   elif profile:
@@ -272,4 +292,8 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
     if on_nonfinite == "raise":
       raise FloatingPointError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
+  if adaptation is not None:
+    state, report = _adapt.after_rollout(adaptation, config, params, out,
+                                         time.perf_counter() - t0)
+    out = out.replace(adaptation=state, adaptation_report=report)
   return out

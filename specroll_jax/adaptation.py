@@ -1,0 +1,127 @@
+"""Adaptation at two timescales, carried by the caller from one rollout batch to the next.
+
+``AdaptationState`` holds everything that outlives a rollout batch: the future-token heads (the
+slow path's parameters), Reflex's global safety per head, the slow path's monitor, records
+reservoir and optimiser state, and a batch counter. It is a pytree of arrays (its settings, an
+``AdaptationConfig``, are static), so orbax checkpoints it as is. A custom JAX RL loop does
+
+    state = adaptation.init(AdaptationConfig(), heads)
+    for batch in batches:
+      out = rollout.generate(config, params, prompts, ..., adaptation=state)
+      state = out.adaptation            # out.adaptation_report: what happened, in plain numbers
+
+Inside the rollout Reflex corrects the heads per row (``reflex.py``); after it, ``after_rollout``
+updates the global safety from the batch's counterfactual gain and hands the matured records and
+per-depth acceptance to the slow path, which may refresh the heads (``slow_path.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from specroll_jax import reflex as _reflex
+from specroll_jax import slow_path as _slow
+from specroll_jax.heads import Heads
+from specroll_jax.proposers import HeadsProposer, Proposer
+from specroll_jax.reflex import ReflexConfig, ReflexGlobal, ReflexProposer
+from specroll_jax.sampling import SamplingConfig
+from specroll_jax.slow_path import SlowPathConfig, SlowPathState
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptationConfig:
+  """reflex: the fast path's settings (``apply_corrections=False`` keeps the heads static but still
+  collects the records the slow path trains on); slow: the slow path's settings (mode "off"
+  disables it). With neither corrections nor a slow path the plain static-heads proposer runs."""
+
+  reflex: ReflexConfig = ReflexConfig()
+  slow: SlowPathConfig = SlowPathConfig()
+
+  def __post_init__(self):
+    if not isinstance(self.reflex, ReflexConfig):
+      raise ValueError(f"AdaptationConfig.reflex must be a ReflexConfig, got "
+                       f"{type(self.reflex).__name__}")
+    if not isinstance(self.slow, SlowPathConfig):
+      raise ValueError(f"AdaptationConfig.slow must be a SlowPathConfig, got "
+                       f"{type(self.slow).__name__}")
+    if self.slow.mode != "off" and self.reflex.record_capacity == 0:
+      raise ValueError(f"AdaptationConfig: slow path mode {self.slow.mode!r} needs records, but "
+                       "reflex.record_capacity is 0")
+
+  @property
+  def static_heads(self) -> bool:
+    return not self.reflex.apply_corrections and self.slow.mode == "off"
+
+  def for_sampling(self, sampling: SamplingConfig) -> AdaptationConfig:
+    """This config with the slow path's temperature set to the rollout's (greedy: 1)."""
+    t = 1.0 if sampling.greedy else float(sampling.temperature)
+    return dataclasses.replace(self, slow=self.slow.replace(temperature=t))
+
+
+@flax.struct.dataclass
+class AdaptationState:
+  heads: Heads
+  reflex: ReflexGlobal
+  slow: SlowPathState
+  batches: Int[Array, ""]
+  config: AdaptationConfig = flax.struct.field(pytree_node=False, default=AdaptationConfig())
+
+
+def init(config: AdaptationConfig, heads: Heads) -> AdaptationState:
+  """A fresh adaptation state around ``heads`` (fitted or initial)."""
+  if not isinstance(config, AdaptationConfig):
+    raise ValueError(f"config must be an AdaptationConfig, got {type(config).__name__}")
+  if not isinstance(heads, Heads):
+    raise ValueError(f"heads must be a specroll_jax.heads.Heads, got {type(heads).__name__}")
+  if heads.num_heads != config.reflex.num_heads:
+    raise ValueError(f"heads has {heads.num_heads} heads but ReflexConfig.num_heads is "
+                     f"{config.reflex.num_heads}")
+  r = config.reflex
+  slow = _slow.init(config.slow, heads, support_size=r.support_size,
+                    num_candidates=r.max_candidates)
+  return AdaptationState(heads=heads, reflex=_reflex.init_global(r), slow=slow,
+                         batches=jnp.int32(0), config=config)
+
+
+def proposer(state: AdaptationState) -> tuple[Proposer, object]:
+  """(proposer, its parameters) for the next rollout batch."""
+  cfg = state.config
+  if cfg.static_heads:
+    return HeadsProposer(num_heads=cfg.reflex.num_heads, topk=cfg.reflex.topk), state.heads
+  return ReflexProposer(cfg.reflex), (state.heads, state.reflex)
+
+
+def after_rollout(state: AdaptationState, model_config, params, rollout,
+                  rollout_seconds: float) -> tuple[AdaptationState, dict]:
+  """The state for the next batch, and a report of this batch in plain numbers: Reflex statistics
+  (correction rate, mean ratio, LCB, resets, records matured, ...), safety per head, the slow
+  path's decision / refresh (kept or rolled back, seconds) and the host seconds spent here."""
+  t0 = time.perf_counter()
+  cfg = state.config
+  stats = rollout.stats.spec.proposer if rollout.stats.spec is not None else {}
+  report = {"batch": int(state.batches), "rollout_seconds": float(rollout_seconds)}
+  acc = np.asarray(rollout.stats.head_acceptance, np.float64)
+  proposed = np.asarray(rollout.stats.head_proposed)
+  acc = np.where(proposed > 0, acc, np.nan)
+  report["head_acceptance"] = acc.tolist()
+  glob, heads, slow = state.reflex, state.heads, state.slow
+  if not cfg.static_heads:
+    report["reflex"] = _reflex.summarize(stats)
+    glob = _reflex.end_batch(cfg.reflex, glob, stats)
+  report["safety"] = np.asarray(glob.safety).tolist()
+  if cfg.slow.mode != "off":
+    records = rollout.proposer_state.records
+    slow, heads, slow_report = _slow.after_batch(cfg.slow, slow, model_config, params, heads,
+                                                 records, jnp.asarray(acc, jnp.float32),
+                                                 float(rollout_seconds))
+    report["slow"] = slow_report
+  jax.block_until_ready(jax.tree.leaves(heads))
+  report["adaptation_seconds"] = time.perf_counter() - t0
+  return state.replace(heads=heads, reflex=glob, slow=slow, batches=state.batches + 1), report

@@ -1,0 +1,98 @@
+"""Adaptation through the engine: Reflex corrections and slow-path refreshes between batches never
+change a committed token; the adaptation state is carried by ``generate``, compiles once and is
+checkpointable by orbax as is."""
+
+import jax
+import numpy as np
+import pytest
+
+from specroll_jax import adaptation as A
+from specroll_jax import heads as H
+from specroll_jax import reflex, rollout
+from specroll_jax import slow_path as SP
+from specroll_jax.checkpoint import Checkpointer
+from specroll_jax.rollout import SamplingConfig, SpecConfig
+
+# gates opened wide (a negative LCB z passes almost any alignment) so that corrections really
+# happen within a few short rollouts: exactness must hold whatever the proposals are
+EAGER = reflex.ReflexConfig(min_obs=(2, 2, 2), min_severity=(0.05, 0.05, 0.05), stride_rows=1.0,
+                            lcb_z=-5.0, record_capacity=128)
+SPEC = SpecConfig(node_budget=24, bucket_fractions=(1.0, 0.5))
+
+
+def _config(sampling, mode="every_batch"):
+  slow = SP.SlowPathConfig.for_tests(mode=mode, learning_rate=1e-3, guard=False)
+  return A.AdaptationConfig(reflex=EAGER, slow=slow).for_sampling(sampling)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.0),
+                                      SamplingConfig(temperature=0.7, top_p=0.9),
+                                      SamplingConfig(temperature=1.0)], ids=str)
+def test_reflex_and_slow_path_never_change_tokens(trained_model, gsm8k_prompts, sampling):
+  config, params, tok = trained_model
+  prompts = gsm8k_prompts[:8]
+  heads = H.init(jax.random.key(4), config, 3, scale=0.05)
+  state = A.init(_config(sampling), heads)
+  corrected = refreshed = 0
+  free = np.asarray(rollout.generate(config, params, prompts, sampling=sampling, max_new_tokens=40,
+                                     eos_ids=[]).tokens)
+  eos = sorted({*tok.eos_ids, int(free[0, 12]), int(free[3, 25])})  # tokens met mid-response
+  for batch in range(3):
+    kw = dict(sampling=sampling, max_new_tokens=40, seed=batch, eos_ids=eos,
+              sample_ids=np.arange(8) + 8 * batch)
+    ref = rollout.generate(config, params, prompts, **kw)
+    out = rollout.generate(config, params, prompts, spec=SPEC, adaptation=state, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+    lens = np.asarray(ref.lengths)
+    assert lens.min() < 40  # EOS inside trees: some rows end early
+    assert int(np.asarray(out.stats.spec.bucket_forwards)[1]) > 0  # compacted into bucket 2
+    rep = out.adaptation_report
+    corrected += sum(rep["reflex"]["correction_rate"]) > 0
+    refreshed += len(rep["slow"]["heads"]) > 0
+    new = out.adaptation
+    assert int(new.batches) == batch + 1
+    if rep["slow"]["kept"]:
+      assert any(not np.array_equal(np.asarray(a), np.asarray(b))
+                 for a, b in zip(jax.tree.leaves(state.heads), jax.tree.leaves(new.heads),
+                                 strict=True))
+    state = new
+  assert corrected > 0 and refreshed > 0  # both paths really acted between and inside batches
+
+
+def test_adaptive_rollouts_compile_once_and_checkpoint(trained_model, gsm8k_prompts, tmp_path):
+  config, params, tok = trained_model
+  prompts = gsm8k_prompts[:4]
+  sampling = SamplingConfig(temperature=1.0)
+  state = A.init(_config(sampling), H.init(jax.random.key(5), config, 3, scale=0.05))
+  sizes = []
+  for batch in range(3):
+    out = rollout.generate(config, params, prompts, sampling=sampling, max_new_tokens=24,
+                           seed=batch, eos_ids=tok.eos_ids, spec=SPEC, adaptation=state)
+    state = out.adaptation
+    sizes.append(rollout._spec_jit._cache_size())
+  assert sizes[1] == sizes[0] and sizes[2] == sizes[0]  # new heads / safety: no recompile
+  assert out.adaptation_report["slow"]["heads"]  # the heads did change between batches
+  with Checkpointer(tmp_path / "ckpt", async_save=False) as ck:
+    ck.save(3, state, {"batch": 3})
+    back, meta = ck.restore(like=state)
+  assert meta["batch"] == 3 and back.config == state.config
+  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_adaptation_argument_checks(trained_model):
+  config, params, _ = trained_model
+  heads = H.init(jax.random.key(5), config, 3)
+  state = A.init(_config(SamplingConfig(temperature=0.7)), heads)
+  with pytest.raises(ValueError, match="does not match the sampling temperature"):
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, adaptation=state,
+                     sampling=SamplingConfig(temperature=1.0))
+  with pytest.raises(ValueError, match="brings its own proposer"):
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, adaptation=state, heads=heads,
+                     sampling=SamplingConfig(temperature=0.7))
+  with pytest.raises(ValueError, match="heads has 2 heads but ReflexConfig.num_heads is 3"):
+    A.init(A.AdaptationConfig(), H.init(jax.random.key(5), config, 2))
+  with pytest.raises(ValueError, match="needs records"):
+    A.AdaptationConfig(reflex=reflex.ReflexConfig(record_capacity=0))
