@@ -264,7 +264,7 @@ def _report(res: dict, meta: dict) -> None:
     key = f"one bucket N={n} T=1.0"
     if key not in new:
       continue
-    rel = lambda d: (d[key]["seconds"] / d[key]["forwards"]) / (
+    rel = lambda d, key=key: (d[key]["seconds"] / d[key]["forwards"]) / (
         d["vanilla T=1.0"]["seconds"] / d["vanilla T=1.0"]["forwards"])
     t2.add_row(str(n), f"{rel(new):.3f}", f"{rel(old):.3f}" if old and key in old else "-")
   con.print(t2)

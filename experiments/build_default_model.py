@@ -5,8 +5,10 @@
 Trains the byte-level BPE tokenizer on GSM8K train, then the Qwen2-architecture model of
 ``ModelConfig.embedded_default`` by SFT on the train solutions for a fixed number of steps (optax
 AdamW, warmup + cosine), writes it in Hugging Face layout (config.json, model.safetensors,
-tokenizer.json) and a metrics.json with: SFT losses, GSM8K test loss, greedy test accuracy, and the
-GRPO signal at T = 1 on 32 train prompts x 8 samples (accuracy, pass@8, groups with mixed rewards).
+tokenizer.json), future-token heads fitted on the model's own T = 1 rollouts of 128 train prompts
+(heads.safetensors) and a metrics.json with: SFT losses, GSM8K test loss, greedy test accuracy, the
+heads' held-out top-1 accuracy, and the GRPO signal at T = 1 on 32 train prompts x 8 samples
+(accuracy, pass@8, groups with mixed rewards).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import _common  # noqa: F401
 import numpy as np
 
-from specroll_jax import models, sft
+from specroll_jax import cli, models, sft
 from specroll_jax.cli import fail
 
 
@@ -43,8 +45,26 @@ def grpo_signal(path, *, prompts: int = 32, group: int = 8, max_new_tokens: int 
           "signal_groups_mixed": int((correct.std(1) > 0).sum())}
 
 
+def fit_and_save_heads(path, *, seed: int = 1234) -> dict:
+  """Fit K = 3 heads on the model's own T = 1 rollouts of 128 train prompts (600 AdamW steps),
+  write ``heads.safetensors`` beside it; returns the heads' top-1 accuracy on held-out rollouts."""
+  from specroll_jax import heads as H
+  from specroll_jax import pipeline, rollout
+  config, params, tok, _ = pipeline.load_model(path)
+  hd = pipeline.fitted_heads(config, params, tok, path, num_heads=3, num_prompts=128,
+                             max_new_tokens=256, temperature=1.0, steps=600, seed=seed,
+                             progress=sys.stdout.isatty(), cache=False)
+  H.save(Path(path) / "heads.safetensors", hd)
+  ids, _ = pipeline.prompts(tok, "train", 32, offset=1000)  # not among the 128 fitted on
+  r = rollout.generate(config, params, ids, max_new_tokens=256, seed=seed + 1,
+                       eos_ids=tok.eos_ids, return_hidden=True)
+  acc = H.head_accuracy(config, params, hd, r.tokens, r.lengths, r.hidden)
+  return {"heads_fit": "K=3, 128 train prompts x 1 at T=1, 256 tokens, 600 AdamW steps",
+          "heads_heldout_top1": [float(x) for x in acc]}
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--out", default="specroll_jax/assets/gsm8k-tiny")
   ap.add_argument("--steps", type=int, default=1200)
   ap.add_argument("--lr", type=float, default=5e-3)
@@ -62,6 +82,7 @@ def main(argv=None):
   sft.build_model(out, models.ModelConfig.embedded_default, cfg, eval_examples=64,
                   progress=sys.stdout.isatty())
   metrics = json.loads((out / "metrics.json").read_text())
+  metrics.update(fit_and_save_heads(out))
   metrics.update(grpo_signal(out))
   metrics["reproduce"] = "python experiments/build_default_model.py " + " ".join(
       f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())

@@ -1,123 +1,295 @@
-"""The main job: GRPO-shaped GSM8K rollouts of the target, vanilla and speculative, with rewards.
+"""The main job: GRPO on GSM8K with SpecRoll rollouts, then the same run with vanilla rollouts.
 
-  make run                                     # embedded tiny model on CPU (built on first use)
-  .venv/bin/python experiments/gsm8k.py --model /path/to/Qwen2.5-1.5B-Instruct --prompts 64
+  make run                                               # embedded tiny model, CPU, ~10 minutes
+  .venv/bin/python experiments/gsm8k.py --steps 20 --out runs/gsm8k
+  .venv/bin/python experiments/gsm8k.py --model /path/to/Qwen2.5-Math-1.5B --dtype bfloat16 \\
+      --prompts 32 --group 8 --max-new-tokens 512 --lr 1e-6 --spec h200      # GPU / TPU
 
-For P test prompts x G responses it samples with the vanilla engine and with the speculative engine
-(future-token heads fitted on the target's own rollouts of *train* prompts), checks that both return
-the same tokens, scores every response with the GSM8K reward and reports accuracy, pass@G, the
-GRPO group advantages' spread, tau and wall-clock. Writes metrics JSON and a PNG into --out.
-(The GRPO training step builds on this; until it lands, this job measures rollouts and rewards.)
+Each step: P GSM8K train prompts x G samples from the current policy (rollout, jitted), their
+text scored on the host (exact final-number match + a format bonus), one data-parallel GRPO update
+(every device on one ``data`` axis). ``--rollout specroll`` (default) proposes with future-token
+heads + Reflex + the slow path, carried across steps; every committed token is the policy's own
+sample, so the vanilla run on the same batches and seeds gives the same tokens, rewards and
+parameters, only slower. Both runs write metrics.jsonl, rollout traces (tensorstore) and orbax
+checkpoints; the comparison table and plots (reward, tau, entropy, time split, logprob gap) go to
+--out. Compile time is measured separately (a warm-up call per engine) and never enters a speed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-import time
+import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import _common  # noqa: F401
 import jax
 import numpy as np
 
-from specroll_jax import pipeline, rewards, rollout
+from specroll_jax import adaptation, cli, pipeline, rollout
+from specroll_jax import slow_path as SP
+from specroll_jax.grpo import GRPOConfig
+from specroll_jax.grpo.loop import Run, RunConfig
+from specroll_jax.progress import is_terminal
+from specroll_jax.reflex import ReflexConfig
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--model", default=None, help="HF model folder (default: embedded tiny model)")
-  ap.add_argument("--prompts", type=int, default=8, help="GSM8K test prompts")
+def parse(argv):
+  ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap.add_argument("--model", default=None, help="local HF model folder (default: embedded model)")
+  ap.add_argument("--heads", default=None, help="heads .safetensors (default: shipped or fitted)")
+  ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                  help="cast the model to this dtype (default: as stored)")
+  ap.add_argument("--steps", type=int, default=12)
+  ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
   ap.add_argument("--group", type=int, default=8, help="responses per prompt (G)")
   ap.add_argument("--max-new-tokens", type=int, default=256)
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--top-p", type=float, default=1.0)
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--spec", default="cpu", choices=["cpu", "h200", "off"],
-                  help="SpecConfig preset for the speculative engine")
+  ap.add_argument("--top-k", type=int, default=0)
+  ap.add_argument("--lr", type=float, default=None,
+                  help="learning rate (default: 2e-4 for the embedded model, 1e-6 for --model)")
+  ap.add_argument("--beta", type=float, default=0.0, help="k3 KL weight to the initial policy")
+  ap.add_argument("--clip", type=float, nargs=2, default=(0.2, 0.28), metavar=("LOW", "HIGH"),
+                  help="ratio clip epsilons")
+  ap.add_argument("--node-budget", type=int, default=None,
+                  help="tree nodes per verify forward (default: the --spec preset's)")
+  ap.add_argument("--spec", default="cpu", choices=["cpu", "h200"], help="SpecConfig preset")
+  ap.add_argument("--rollout", default="specroll", choices=["specroll", "static-heads", "vanilla"])
+  ap.add_argument("--slow-path", default="degradation",
+                  choices=["degradation", "scheduled", "every_batch", "off"])
+  ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
+  ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
   ap.add_argument("--kernels", default="auto",
                   choices=["auto", "reference", "pallas", "pallas_interpret"])
+  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/gsm8k")
+  ap.add_argument("--resume", action="store_true", help="continue the run in --out")
   a = ap.parse_args(argv)
+  for flag, v, lo in (("--steps", a.steps, 1), ("--prompts", a.prompts, 1),
+                      ("--group", a.group, 1), ("--max-new-tokens", a.max_new_tokens, 1),
+                      ("--eval-every", a.eval_every, 0), ("--seed", a.seed, 0)):
+    if v < lo:
+      cli.fail(flag, v, f"must be >= {lo}")
+  if not 0 <= a.temperature < float("inf"):
+    cli.fail("--temperature", a.temperature, "must be a finite number >= 0")
+  if not 0 < a.top_p <= 1:
+    cli.fail("--top-p", a.top_p, "must be in (0, 1]")
+  if a.top_k < 0:
+    cli.fail("--top-k", a.top_k, "must be >= 0 (0 = off)")
+  if a.lr is not None and not a.lr > 0:
+    cli.fail("--lr", a.lr, "must be > 0")
+  if not a.beta >= 0:
+    cli.fail("--beta", a.beta, "must be >= 0")
+  if not (0 <= a.clip[0] < 1 and a.clip[1] >= 0):
+    cli.fail("--clip", list(a.clip), "LOW must be in [0, 1) and HIGH >= 0")
+  if a.node_budget is not None and a.node_budget < 0:
+    cli.fail("--node-budget", a.node_budget, "must be >= 0")
+  if a.model is not None and not Path(a.model).is_dir():
+    cli.fail("--model", a.model, "is not a folder (a Hugging Face model folder is expected)")
+  if a.heads is not None and not Path(a.heads).is_file():
+    cli.fail("--heads", a.heads, "is not a file")
+  out = Path(a.out)
+  if out.exists() and not out.is_dir():
+    cli.fail("--out", a.out, "exists and is not a folder")
+  if a.resume and not (out / a.rollout / "checkpoints").is_dir():
+    cli.fail("--resume", a.out, f"holds no {a.rollout} run to resume")
+  if not a.resume and (out / a.rollout / "checkpoints").is_dir():
+    cli.fail("--out", a.out, "already holds a run: pass --resume or choose another --out")
+  return a
 
-  config, params, tok, path = pipeline.load_model(a.model)
-  ids, golds = pipeline.prompts(tok, "test", a.prompts)
-  batch, sids = pipeline.grpo_batch(ids, a.group)
-  cfg = rollout.SamplingConfig(temperature=a.temperature, top_p=a.top_p)
-  kw = dict(sampling=cfg, max_new_tokens=a.max_new_tokens, seed=a.seed, sample_ids=sids,
-            eos_ids=tok.eos_ids, kernels=a.kernels)
-  results = {}
-  t0 = time.perf_counter()
-  van = rollout.generate(config, params, batch, **kw)
-  jax.block_until_ready(van.tokens)
-  results["vanilla_seconds_incl_compile"] = time.perf_counter() - t0
-  spec_out = None
-  if a.spec != "off":
-    heads = pipeline.fitted_heads(config, params, tok, path, temperature=a.temperature,
-                                  max_new_tokens=a.max_new_tokens)
-    spec = rollout.SpecConfig.for_h200() if a.spec == "h200" else rollout.SpecConfig.for_cpu()
-    t0 = time.perf_counter()
-    spec_out = rollout.generate(config, params, batch, spec=spec, heads=heads, **kw)
-    jax.block_until_ready(spec_out.tokens)
-    results["speculative_seconds_incl_compile"] = time.perf_counter() - t0
-    results["identical_to_vanilla"] = bool(
-        (np.asarray(spec_out.tokens) == np.asarray(van.tokens)).all()
-        and (np.asarray(spec_out.lengths) == np.asarray(van.lengths)).all())
-    results["tau"] = spec_out.stats.tokens_per_forward
-    results["head_acceptance"] = spec_out.stats.head_acceptance.tolist()
-    results["target_forwards"] = {"vanilla": int(van.stats.target_forwards) + 1,
-                                  "speculative": int(spec_out.stats.target_forwards) + 1}
 
-  lens = np.asarray(van.lengths)
-  texts = [tok.decode(np.asarray(van.tokens[i, : lens[i]]).tolist()) for i in range(len(batch))]
-  r = rewards.batch_rewards(texts, [g for g in golds for _ in range(a.group)],
-                            format_weight=0.1).reshape(a.prompts, a.group)
-  correct = rewards.batch_rewards(texts, [g for g in golds for _ in range(a.group)]
-                                  ).reshape(a.prompts, a.group)
-  adv = (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-6)
-  results.update({
-      "model": str(path), "prompts": a.prompts, "group": a.group, "sampling": vars(cfg),
-      "accuracy": float(correct.mean()), "pass_at_group": float((correct > 0).any(1).mean()),
-      "mean_reward_with_format": float(r.mean()),
-      "groups_with_signal": int((r.std(1) > 0).sum()),
-      "mean_abs_advantage": float(np.abs(adv).mean()),
-      "mean_response_tokens": float(lens.mean()), "max_response_tokens": int(lens.max()),
-      "eos_rate": float((lens < a.max_new_tokens).mean()),
-  })
+def run_config(a, *, rollout_kind: str) -> RunConfig:
+  sampling = rollout.SamplingConfig(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
+  lr = a.lr if a.lr is not None else (2e-4 if a.model is None else 1e-6)
+  grpo = GRPOConfig(group_size=a.group, learning_rate=lr, beta=a.beta, clip_eps_low=a.clip[0],
+                    clip_eps_high=a.clip[1], sampling=sampling)
+  spec = rollout.SpecConfig.for_h200() if a.spec == "h200" else rollout.SpecConfig.for_cpu()
+  if a.node_budget is not None:
+    spec = dataclasses.replace(spec, node_budget=a.node_budget)
+  slow = SP.SlowPathConfig(mode=a.slow_path)
+  if a.model is None:  # a short CPU run: windows sized for tens of steps, not thousands
+    slow = SP.SlowPathConfig.for_tests(mode=a.slow_path)
+  adapt = adaptation.AdaptationConfig(reflex=ReflexConfig(topk=spec.topk), slow=slow)
+  return RunConfig(grpo=grpo, prompts_per_step=a.prompts, max_new_tokens=a.max_new_tokens,
+                   steps=a.steps, seed=a.seed, rollout=rollout_kind, spec=spec,
+                   adaptation=adapt, kernels=a.kernels, eval_every=a.eval_every)
+
+
+def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[list, dict, Run]:
+  config, params, tok = model
+  r = Run(cfg, config, params, tok, heads, out, resume=resume)
+  compile_info = {}
+  if r.next_step < cfg.steps:
+    warm = r.warmup()
+    compile_info = warm
+    print(f"[{cfg.rollout}] warm-up (compile + one call): rollout "
+          f"{warm['rollout_warmup_seconds']:.1f} s, train step "
+          f"{warm['train_warmup_seconds']:.1f} s", flush=True)
+  recs = []
+  while r.next_step < cfg.steps:
+    rec = r.step()
+    recs.append(rec)
+    print(f"[{cfg.rollout}] step {rec['step'] + 1}/{cfg.steps}  reward {rec['reward_mean']:.3f}  "
+          f"acc {rec['accuracy']:.3f}  mixed groups {rec['groups_mixed']}/{cfg.prompts_per_step}  "
+          f"tau {rec['tau']:.2f}  rollout {rec['rollout_seconds']:.2f} s  "
+          f"train {rec['train_seconds']:.2f} s  gap {rec['logp_gap_max']:.1e}", flush=True)
+  if compile_info and recs:  # warm-up minus the same work done again (the first step)
+    compile_info["rollout_compile_seconds"] = max(
+        compile_info["rollout_warmup_seconds"] - recs[0]["rollout_seconds"]
+        - recs[0]["adaptation_seconds"], 0.0)
+    compile_info["train_compile_seconds"] = max(
+        compile_info["train_warmup_seconds"] - recs[0]["train_seconds"], 0.0)
+  return recs, compile_info, r
+
+
+def summarize(recs: list[dict], compile_info: dict) -> dict:
+  if not recs:
+    return {}
+  get = lambda k: np.array([x[k] for x in recs], np.float64)
+  return {"steps": len(recs), "rollout_seconds": float(get("rollout_seconds").sum()),
+          "adaptation_seconds": float(get("adaptation_seconds").sum()),
+          "train_seconds": float(get("train_seconds").sum()),
+          "step_seconds": float(get("step_seconds").sum()), "tau": float(get("tau").mean()),
+          "reward_mean": float(get("reward_mean").mean()),
+          "accuracy": float(get("accuracy").mean()),
+          "groups_mixed": int(get("groups_mixed").sum()),
+          "logp_gap_max": float(get("logp_gap_max").max()), **compile_info}
+
+
+def main(argv=None):
+  a = parse(argv)
   out = Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "metrics.json").write_text(json.dumps(results, indent=2))
-  (out / "samples.txt").write_text("\n\n".join(
-      f"[prompt {i // a.group} member {i % a.group}] reward={r.flat[i]:.1f}\n{texts[i]}"
-      for i in range(min(len(texts), 16))))
-  _plot(lens, r, spec_out, out / "rollouts.png", a.max_new_tokens)
-  for k, v in results.items():
-    print(f"{k:36s} {v}")
-  print(f"wrote {out / 'metrics.json'}, {out / 'rollouts.png'}, {out / 'samples.txt'}")
+  try:
+    config, params, tok, path = pipeline.load_model(a.model, progress=is_terminal())
+  except ValueError as e:
+    cli.fail("--model", a.model, str(e))
+  if a.dtype is not None and a.dtype != config.dtype:
+    config = config.replace(dtype=a.dtype)
+    params = jax.tree.map(lambda x: x.astype(config.jnp_dtype), params)
+  from specroll_jax import heads as H
+  if a.heads is not None:
+    try:
+      heads = H.load(a.heads)
+      H.validate(config, heads, 3)
+    except ValueError as e:
+      cli.fail("--heads", a.heads, str(e))
+  else:
+    heads = pipeline.default_heads(config, params, tok, path, progress=is_terminal())
+  model = (config, params, tok)
+  print(f"model {path} ({config.num_layers} layers, d={config.hidden_size}, vocab "
+        f"{config.vocab_size}, {config.dtype}); devices {jax.devices()}", flush=True)
+  kinds = [a.rollout] + ([] if a.no_compare or a.rollout == "vanilla" else ["vanilla"])
+  results, runs = {}, {}
+  for kind in kinds:
+    cfg = run_config(a, rollout_kind=kind)
+    resume = a.resume and (out / kind / "checkpoints").is_dir()
+    recs, compile_info, r = train(a, cfg, model, heads, out / kind, resume=resume)
+    all_recs = [json.loads(x) for x in (out / kind / "metrics.jsonl").read_text().splitlines()]
+    results[kind] = {"summary": summarize(recs, compile_info), "records": all_recs}
+    runs[kind] = r
+  table = compare(results, runs, kinds)
+  meta = {"command": "experiments/gsm8k.py " + " ".join(sys.argv[1:] if argv is None else argv),
+          "model": str(path), "cpu": _cpu_model(), "devices": [str(d) for d in jax.devices()],
+          "jax": jax.__version__, "machine": platform.machine()}
+  (out / "summary.json").write_text(json.dumps({"meta": meta, "table": table,
+                                                "summaries": {k: v["summary"]
+                                                              for k, v in results.items()}},
+                                               indent=2))
+  plot(results, out / "gsm8k.png")
+  for r in runs.values():
+    r.close()
+  print(f"wrote {out / 'summary.json'}, {out / 'gsm8k.png'} and per-run metrics.jsonl, traces, "
+        f"checkpoints in {', '.join(str(out / k) for k in kinds)}")
   return results
 
 
-def _plot(lens, r, spec_out, path, max_new):
+def compare(results, runs, kinds) -> dict:
+  from rich.console import Console
+  from rich.table import Table
+  base = results.get("vanilla", {}).get("summary")
+  t = Table(title="GRPO on GSM8K: the same batches and seeds, rollouts by each engine "
+                  "(seconds exclude compile)")
+  for c in ("engine", "steps", "rollout s", "adaptation s", "train s", "step s", "tau",
+            "rollout speedup", "step speedup", "reward", "accuracy", "mixed groups",
+            "compile rollout s", "max |dlogp|"):
+    t.add_column(c)
+  table = {}
+  for kind in kinds:
+    s = results[kind]["summary"]
+    if not s:
+      continue
+    roll = s["rollout_seconds"] + s["adaptation_seconds"]
+    row = {"engine": kind, **s}
+    if base and kind != "vanilla":
+      row["rollout_speedup"] = base["rollout_seconds"] / max(roll, 1e-9)
+      row["step_speedup"] = base["step_seconds"] / max(s["step_seconds"], 1e-9)
+    table[kind] = row
+    t.add_row(kind, str(s["steps"]), f"{s['rollout_seconds']:.2f}",
+              f"{s['adaptation_seconds']:.2f}", f"{s['train_seconds']:.2f}",
+              f"{s['step_seconds']:.2f}", f"{s['tau']:.3f}",
+              f"{row.get('rollout_speedup', 1.0):.2f}x", f"{row.get('step_speedup', 1.0):.2f}x",
+              f"{s['reward_mean']:.3f}", f"{s['accuracy']:.3f}", str(s["groups_mixed"]),
+              f"{s.get('rollout_compile_seconds', float('nan')):.1f}", f"{s['logp_gap_max']:.1e}")
+  Console(width=200).print(t)
+  if len(runs) == 2:  # the objective is unchanged: same rewards, same parameters
+    recs = [results[k]["records"] for k in kinds]
+    same_rewards = all(x["reward_mean"] == y["reward_mean"] for x, y in zip(*recs, strict=False))
+    pa, pb = (jax.device_get(runs[k].state.params) for k in kinds)
+    diff = max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max())
+               for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True))
+    table["same_rewards"] = bool(same_rewards)
+    table["max_param_diff"] = diff
+    print(f"same rewards at every step: {same_rewards}; max |param difference| after the runs: "
+          f"{diff:.2e}")
+  return table
+
+
+def plot(results, path: Path) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(1, 3, figsize=(14, 3.8))
-  ax[0].hist(lens, bins=30)
-  ax[0].set_xlabel("response length (tokens)")
-  ax[0].set_title("GRPO long tail")
-  ax[1].bar(range(r.shape[0]), r.mean(1))
-  ax[1].set_xlabel("prompt")
-  ax[1].set_ylabel("mean reward (incl. format)")
-  if spec_out is not None:
-    tr = np.asarray(spec_out.stats.active_trace)
-    ax[2].step(range(len(tr)), tr, where="post", label="speculative")
-    ax[2].step(range(max_new + 1), [(lens > f).sum() for f in range(max_new + 1)], where="post",
-               label="vanilla")
-    ax[2].set_xlabel("target forward")
-    ax[2].set_ylabel("active rows")
-    ax[2].legend()
+  fig, ax = plt.subplots(1, 5, figsize=(22, 4))
+  for kind, res in results.items():
+    recs = res["records"]
+    if not recs:
+      continue
+    x = [r["step"] for r in recs]
+    style = "o-" if kind != "vanilla" else "s--"
+    ax[0].plot(x, [r["reward_mean"] for r in recs], style, label=kind)
+    ax[1].plot(x, [r["tau"] for r in recs], style, label=kind)
+    ax[2].plot(x, [r["entropy"] for r in recs], style, label=kind)
+    ax[4].semilogy(x, [max(r["logp_gap_max"], 1e-9) for r in recs], style, label=kind)
+  kinds = [k for k in results if results[k]["records"]]
+  parts = ("rollout_seconds", "adaptation_seconds", "reward_seconds", "train_seconds")
+  bottom = np.zeros(len(kinds))
+  for p in parts:
+    vals = np.array([np.mean([r[p] for r in results[k]["records"]]) for k in kinds])
+    ax[3].bar(kinds, vals, bottom=bottom, label=p.replace("_seconds", ""))
+    bottom += vals
+  titles = ("mean reward per step", "tau (tokens / target forward)", "policy entropy (nats)",
+            "mean step time split (s)", "max |trainer - rollout logprob|")
+  for a_, t in zip(ax, titles, strict=True):
+    a_.set_title(t)
+    a_.legend(fontsize=8)
+  for a_ in (ax[0], ax[1], ax[2], ax[4]):
+    a_.set_xlabel("GRPO step")
   fig.tight_layout()
-  fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=100)
+
+
+def _cpu_model() -> str:
+  try:
+    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
+      if line.startswith("Model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -68,6 +68,25 @@ def _check_state_leaf(path, x) -> None:
         "holds arrays and Python int/float leaves (put strings and config in meta)")
 
 
+def _flat(tree) -> tuple[dict, object]:
+  """({name: leaf}, treedef) of a pytree, in flatten order. A name is the leaf's key path with
+  every other character than letters and digits turned into "_" (made unique with a suffix when
+  two paths collide). orbax then stores a flat dict of arrays, whatever the pytree's node types
+  (its own tree serialisation trips over, e.g., optax chains that start with an empty state); the
+  caller's ``like`` brings the types back on restore."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+  out = {}
+  for path, leaf in leaves:
+    key = "".join(c if c.isalnum() else "_" for c in jax.tree_util.keystr(path))
+    key = "_".join(p for p in key.split("_") if p) or "root"
+    name, n = key, 1
+    while name in out:
+      n += 1
+      name = f"{key}__{n}"
+    out[name] = leaf
+  return out, treedef
+
+
 def _check_step(step, name: str = "step") -> int:
   try:
     s = operator.index(step)
@@ -141,8 +160,9 @@ class Checkpointer:
           f"step={step} must be greater than the latest saved step {latest} in {self._directory}")
     if not force and step % self._save_every:
       return False
+    flat, _ = _flat(state)
     return bool(self._mgr.save(
-        step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+        step, args=ocp.args.Composite(state=ocp.args.StandardSave(flat),
                                       meta=ocp.args.JsonSave(meta)), force=True))
 
   def _resolve_step(self, step) -> int:
@@ -158,12 +178,11 @@ class Checkpointer:
           f"step={step} is not a complete checkpoint in {self._directory}; saved steps: {steps}")
     return step
 
-  def _check_like(self, step: int, target) -> None:
+  def _check_like(self, step: int, wanted: dict) -> None:
     stored = self._mgr.item_metadata(step)["state"]
-    stored = ocp.tree.to_flat_dict(getattr(stored, "tree", stored))
-    wanted = ocp.tree.to_flat_dict(ocp.tree.serialize_tree(target))
-    missing = sorted(_path_str(k) for k in stored.keys() - wanted.keys())
-    extra = sorted(_path_str(k) for k in wanted.keys() - stored.keys())
+    stored = dict(getattr(stored, "tree", stored))
+    missing = sorted(k for k in stored.keys() - wanted.keys())
+    extra = sorted(k for k in wanted.keys() - stored.keys())
     if missing or extra:
       raise ValueError(
           f"like does not match the structure of the state saved at step {step} in "
@@ -176,14 +195,14 @@ class Checkpointer:
       if isinstance(want, int | float):
         if have_shape != ():
           raise ValueError(
-              f"like leaf {_path_str(key)} is a scalar but the checkpoint at step {step} holds "
+              f"like leaf {key} is a scalar but the checkpoint at step {step} holds "
               f"shape {have_shape}")
         continue
       have_dtype = getattr(have, "dtype", None)
       if tuple(want.shape) != have_shape or (
           have_dtype is not None and np.dtype(want.dtype) != np.dtype(have_dtype)):
         raise ValueError(
-            f"like leaf {_path_str(key)} has shape {tuple(want.shape)} dtype "
+            f"like leaf {key} has shape {tuple(want.shape)} dtype "
             f"{np.dtype(want.dtype)} but the checkpoint at step {step} holds shape {have_shape} "
             f"dtype {have_dtype}")
 
@@ -197,11 +216,12 @@ class Checkpointer:
     there is no such step or when ``like``'s leaves, shapes or dtypes differ from the checkpoint's.
     """
     step = self._resolve_step(step)
-    target = jax.tree_util.tree_map_with_path(_abstract, like)
+    target, treedef = _flat(jax.tree_util.tree_map_with_path(_abstract, like))
     self._check_like(step, target)
     out = self._mgr.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()))
-    return out["state"], out["meta"]
+    state = jax.tree_util.tree_unflatten(treedef, [out["state"][k] for k in target])
+    return state, out["meta"]
 
   def restore_meta(self, step: int | None = None) -> dict:
     """The ``meta`` dict of ``step`` (default: the latest complete step), without the state."""

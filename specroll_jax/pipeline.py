@@ -16,12 +16,24 @@ from specroll_jax.data import gsm8k
 from specroll_jax.models.tokenizer import Tokenizer
 
 
+def default_model_path(*, progress: bool = True) -> Path:
+  """The embedded default model: shipped in the package (``specroll_jax/assets/gsm8k-tiny``,
+  reproduced by ``experiments/build_default_model.py``); if a checkout lacks it, built once with
+  the on-the-fly recipe (about 6 minutes on 2 CPU cores) and cached."""
+  shipped = Path(__file__).resolve().parent / "assets" / "gsm8k-tiny"
+  if (shipped / "model.safetensors").exists():
+    return shipped
+  return sft.build_default_model(progress=progress)
+
+
 def load_model(path=None, *, progress: bool = True):
-  """(config, params, tokenizer, path) of a local HF folder, or of the embedded default model
-  (built once, about 6 minutes on 2 CPU cores, then cached)."""
+  """(config, params, tokenizer, path) of a local HF folder, or of the embedded default model."""
   if path is None:
-    path = sft.build_default_model(progress=progress)
+    path = default_model_path(progress=progress)
   path = Path(path)
+  if not path.is_dir():
+    raise ValueError(f"model path {str(path)!r} is not a folder (expected a Hugging Face model "
+                     "folder with config.json and model.safetensors)")
   config, params = models.load_pretrained(path)
   return config, params, Tokenizer.from_pretrained(path), path
 
@@ -48,9 +60,12 @@ def fitted_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int =
                  num_prompts: int = 128, max_new_tokens: int = 256, temperature: float = 1.0,
                  steps: int = 600, seed: int = 1234, progress: bool = True, cache: bool = True):
   """Heads fitted by self-distillation on the target's own rollouts of GSM8K *train* prompts
-  (vanilla, ``return_hidden``); cached as ``heads-<hash>.safetensors`` in the model folder."""
-  key = json.dumps([num_heads, num_prompts, max_new_tokens, temperature, steps, seed])
-  file = Path(model_path) / f"heads-{hashlib.sha1(key.encode()).hexdigest()[:10]}.safetensors"
+  (vanilla, ``return_hidden``); cached as ``heads-<hash>.safetensors`` in the cache folder
+  (``sft.default_cache_dir()``), keyed by the model folder and these settings."""
+  key = json.dumps([str(Path(model_path).resolve()), num_heads, num_prompts, max_new_tokens,
+                    temperature, steps, seed])
+  file = sft.default_cache_dir() / "heads" / (
+      f"heads-{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors")
   if cache and file.exists():
     return _heads.load(file)
   ids, _ = prompts(tok, "train", num_prompts)
@@ -67,5 +82,18 @@ def fitted_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int =
   hd, _ = _heads.fit_heads(config, params, hd, np.concatenate(toks), np.concatenate(lens),
                            np.concatenate(hid), steps=steps, progress=progress)
   if cache:
+    file.parent.mkdir(parents=True, exist_ok=True)
     _heads.save(file, hd)
   return hd
+
+
+def default_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int = 3,
+                  progress: bool = True):
+  """The heads shipped beside a model (``heads.safetensors``, e.g. the embedded default model's),
+  else heads fitted on the model's own T = 1 rollouts (``fitted_heads``, cached)."""
+  shipped = Path(model_path) / "heads.safetensors"
+  if shipped.exists():
+    hd = _heads.load(shipped)
+    _heads.validate(config, hd, num_heads)
+    return hd
+  return fitted_heads(config, params, tok, model_path, num_heads=num_heads, progress=progress)

@@ -61,6 +61,9 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
                   allow_duplicate_sample_ids: bool = False) -> PreparedBatch:
   """Validate and pad a batch of prompts. Raises ValueError naming the argument, value and limit.
 
+  A list of prompts is padded to its longest prompt rounded up to a multiple of 16 (fewer
+  recompiles); a padded [B, P] array keeps its width P, so a caller can fix every shape.
+
   Duplicate ``sample_ids`` are refused (two rows with the same prompt and id would get the same
   response) unless ``allow_duplicate_sample_ids``.
   """
@@ -83,9 +86,11 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
         raise ValueError(
             f"prompt_lengths {lens.max()} exceeds the padded prompt width {arr.shape[1]}")
     rows = [arr[i, : lens[i]].tolist() for i in range(arr.shape[0])]
+    fixed_width = arr.shape[1]  # a padded array keeps its width (the caller fixes shapes)
   elif isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes)):
     if prompt_lengths is not None:
       raise ValueError("prompt_lengths is only for a padded prompt array, got a list of prompts")
+    fixed_width = None
     rows = []
     for i, p in enumerate(prompts):
       if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
@@ -109,7 +114,8 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
           f"prompts[{i}] holds token id {bad[0]} outside [0, vocab_size={config.vocab_size})")
   b = len(rows)
   lens = np.array([len(r) for r in rows], np.int32)
-  width = int(-(-lens.max() // PROMPT_BUCKET) * PROMPT_BUCKET)
+  width = int(-(-lens.max() // PROMPT_BUCKET) * PROMPT_BUCKET) if fixed_width is None else \
+      int(fixed_width)
   if cache_length is None:
     cache_length = int(lens.max()) + int(max_new_tokens)
   if int(lens.max()) + int(max_new_tokens) > config.max_position_embeddings:

@@ -1,0 +1,298 @@
+"""The host-scored GRPO training loop on GSM8K: rollout (jitted) -> decode text -> reward on the
+host -> data-parallel train step, with the adaptation state carried across steps, orbax checkpoints
+(SIGKILL-safe resume), tensorstore rollout traces and a metrics.jsonl line per step.
+
+Determinism: a step's rollouts depend only on (params, the adaptation state, the data position,
+the seed): prompts come in a fixed shuffled order, sample id = global prompt index * G + member.
+So a run resumed from its last complete checkpoint reproduces the steps an uninterrupted run would
+have made (timings aside). Order of writes per step: trace, metrics line, checkpoint; on resume the
+trace and the metrics file are cut back to the checkpoint's step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from specroll_jax import adaptation as _adapt
+from specroll_jax import rewards as _rewards
+from specroll_jax import rollout as _rollout
+from specroll_jax.adaptation import AdaptationConfig
+from specroll_jax.checkpoint import Checkpointer
+from specroll_jax.config import SpecConfig
+from specroll_jax.data import gsm8k
+from specroll_jax.grpo.config import GRPOConfig
+from specroll_jax.grpo.loss import group_advantages
+from specroll_jax.grpo.step import Batch, init_train_state, make_train_step
+from specroll_jax.traces import TraceWriter
+
+ROLLOUTS = ("vanilla", "specroll", "static-heads")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+  """One GRPO run on GSM8K train prompts. Every default of the main job lives here.
+
+  prompts_per_step: P prompts per step, each sampled G = grpo.group_size times.
+  rollout: "specroll" (heads + Reflex + slow path, ``adaptation``), "static-heads" (heads fitted
+    once) or "vanilla" (no speculation). All three give the same tokens.
+  prompt_width: prompts are padded to this many tokens (fixed shapes: one compile); None: the
+    longest GSM8K train prompt under the tokenizer, rounded up to 16. Longer prompts are refused.
+  eval_every / eval_prompts: greedy accuracy on the first GSM8K test prompts every n steps (0: off).
+  format_weight: reward bonus for a well-formed "#### N" line (the reward is 1 for a correct
+    answer plus this).
+  keep_checkpoints: complete checkpoints kept on disk.
+  """
+
+  grpo: GRPOConfig = GRPOConfig()
+  prompts_per_step: int = 8
+  max_new_tokens: int = 256
+  steps: int = 10
+  seed: int = 0
+  data_seed: int = 0
+  rollout: str = "specroll"
+  spec: SpecConfig = SpecConfig()
+  adaptation: AdaptationConfig = AdaptationConfig()
+  kernels: str = "auto"
+  prompt_width: int | None = None
+  format_weight: float = 0.1
+  eval_every: int = 0
+  eval_prompts: int = 64
+  keep_checkpoints: int = 2
+
+  def __post_init__(self):
+    for name, lo in (("prompts_per_step", 1), ("max_new_tokens", 1), ("steps", 1),
+                     ("eval_every", 0), ("eval_prompts", 1), ("keep_checkpoints", 1),
+                     ("seed", 0), ("data_seed", 0)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"RunConfig.{name} must be an int >= {lo}, got {v!r}")
+    if self.rollout not in ROLLOUTS:
+      raise ValueError(f"RunConfig.rollout must be one of {ROLLOUTS}, got {self.rollout!r}")
+    if not self.format_weight >= 0:
+      raise ValueError(f"RunConfig.format_weight must be >= 0, got {self.format_weight!r}")
+    if self.prompt_width is not None and (not isinstance(self.prompt_width, int)
+                                          or self.prompt_width < 1):
+      raise ValueError(f"RunConfig.prompt_width must be None or an int >= 1, got "
+                       f"{self.prompt_width!r}")
+
+  @property
+  def rows(self) -> int:
+    return self.prompts_per_step * self.grpo.group_size
+
+
+class Prompts:
+  """GSM8K train prompts in a fixed shuffled order (``data_seed``), encoded once, padded to a
+  fixed width. ``batch(position, n)`` returns the n prompts from ``position`` on (wrapping around
+  epochs; the global index ``position + i`` keeps growing, so sample ids never repeat)."""
+
+  def __init__(self, tok, *, data_seed: int, width: int | None):
+    exs = gsm8k.load("train")
+    self.order = np.random.default_rng(data_seed).permutation(len(exs))
+    self.ids = tok.encode_batch([gsm8k.format_prompt(e.question) for e in exs])
+    self.golds = [e.gold for e in exs]
+    longest = max(map(len, self.ids))
+    self.width = int(-(-longest // 16) * 16) if width is None else int(width)
+    if longest > self.width:
+      raise ValueError(f"prompt_width={self.width} is shorter than the longest GSM8K train prompt "
+                       f"({longest} tokens); use None or >= {longest}")
+
+  def batch(self, position: int, n: int):
+    """(tokens [n, W] int32, lengths [n], golds, global indices [n])."""
+    idx = np.arange(position, position + n)
+    ex = self.order[idx % len(self.order)]
+    toks = np.zeros((n, self.width), np.int32)
+    lens = np.zeros((n,), np.int32)
+    for i, e in enumerate(ex):
+      toks[i, : len(self.ids[e])] = self.ids[e]
+      lens[i] = len(self.ids[e])
+    return toks, lens, [self.golds[e] for e in ex], idx
+
+
+def _write_lines(path: Path, lines: list[str]) -> None:
+  tmp = path.with_suffix(path.suffix + ".tmp")
+  tmp.write_text("".join(lines))
+  os.replace(tmp, path)
+
+
+class Run:
+  """One run's state on the host: model, train state, adaptation state, data, checkpoints, traces.
+  ``step()`` does one GRPO step; ``Run(..., resume=True)`` continues from the last checkpoint."""
+
+  def __init__(self, run: RunConfig, config, params, tok, heads, out_dir, *, resume: bool = False,
+               log=print):
+    self.run, self.config, self.tok, self.log = run, config, tok, log
+    self.out = Path(out_dir)
+    self.out.mkdir(parents=True, exist_ok=True)
+    self.sampling = run.grpo.sampling
+    self.data = Prompts(tok, data_seed=run.data_seed, width=run.prompt_width)
+    self.cache_length = self.data.width + run.max_new_tokens
+    if self.cache_length > config.max_position_embeddings:
+      raise ValueError(f"prompt width {self.data.width} + max_new_tokens {run.max_new_tokens} "
+                       f"exceeds max_position_embeddings {config.max_position_embeddings}")
+    self.train_step = make_train_step(config, run.grpo)
+    # replicated over the mesh from the start, as every step returns it: the rollout's jit then
+    # sees the same parameter sharding at every step (one compile)
+    self.replicated = NamedSharding(self.train_step.mesh, PartitionSpec())
+    self.state = jax.device_put(init_train_state(params, run.grpo), self.replicated)
+    self.heads = heads
+    self.adapt = None
+    if run.rollout == "specroll":  # placed like the parameters, for the same reason
+      self.adapt = jax.device_put(_adapt.init(run.adaptation.for_sampling(self.sampling), heads),
+                                  self.replicated)
+    self.ckpt = Checkpointer(self.out / "checkpoints", max_to_keep=run.keep_checkpoints,
+                             async_save=False)
+    self.traces = TraceWriter(self.out / "traces", batch=run.rows, prompt_len=self.data.width,
+                              max_new=run.max_new_tokens,
+                              scalars=(("step", "int64"), ("tau", "float32"),
+                                       ("reward_mean", "float32")))
+    self.metrics_path = self.out / "metrics.jsonl"
+    self.next_step = 0
+    if not resume and self.ckpt.latest_step() is not None:
+      raise ValueError(f"{self.out} already holds a run (checkpoint step "
+                       f"{self.ckpt.latest_step()}); resume it or use another output folder")
+    latest = self.ckpt.latest_step() if resume else None
+    if resume and latest is None:
+      log(f"--resume: no complete checkpoint in {self.out / 'checkpoints'}; starting at step 0")
+    if latest is not None:
+      saved, meta = self.ckpt.restore(like=self._saved())
+      self.state = jax.device_put(saved["train"], self.replicated)
+      self.adapt = jax.device_put(saved["adaptation"], self.replicated)
+      self.next_step = int(meta["step"]) + 1
+      self.traces.truncate(int(meta["trace_steps"]))
+      log(f"resumed from step {meta['step']} ({self.out / 'checkpoints'})")
+    lines = []
+    if self.metrics_path.exists():
+      lines = [x + "\n" for x in self.metrics_path.read_text().splitlines()
+               if x.strip() and json.loads(x)["step"] < self.next_step]
+    _write_lines(self.metrics_path, lines)
+    if self.next_step == 0:
+      self.traces.truncate(0)
+
+  def _saved(self):
+    return {"train": self.state, "adaptation": self.adapt}
+
+  def rollout(self, params, toks, lens, sids, adapt=None):
+    kw = dict(sampling=self.sampling, max_new_tokens=self.run.max_new_tokens, seed=self.run.seed,
+              sample_ids=sids, eos_ids=self.tok.eos_ids, prompt_lengths=lens,
+              cache_length=self.cache_length, kernels=self.run.kernels)
+    if self.run.rollout == "specroll":
+      return _rollout.generate(self.config, params, toks, spec=self.run.spec, adaptation=adapt,
+                               **kw)
+    if self.run.rollout == "static-heads":
+      return _rollout.generate(self.config, params, toks, spec=self.run.spec, heads=self.heads,
+                               **kw)
+    return _rollout.generate(self.config, params, toks, **kw)
+
+  def batch(self, step: int):
+    run = self.run
+    g = run.grpo.group_size
+    toks, lens, golds, idx = self.data.batch(step * run.prompts_per_step, run.prompts_per_step)
+    rep = lambda a: np.repeat(a, g, axis=0)
+    sids = (idx[:, None] * g + np.arange(g)[None]).reshape(-1).astype(np.int64)
+    return rep(toks), rep(lens), [x for x in golds for _ in range(g)], sids
+
+  def warmup(self) -> dict:
+    """Compile the rollout and the train step on step ``next_step``'s batch without changing any
+    state (copies are used and discarded). Returns the seconds of each warm-up call."""
+    toks, lens, golds, sids = self.batch(self.next_step)
+    t0 = time.perf_counter()
+    out = self.rollout(self.state.params, toks, lens, sids, self.adapt)
+    jax.block_until_ready(out.tokens)
+    t_roll = time.perf_counter() - t0
+    rewards = np.zeros((len(toks),), np.float32)
+    copy = jax.tree.map(jnp.array, self.state)
+    t0 = time.perf_counter()
+    new, m = self.train_step(copy, Batch.from_rollout(toks, lens, out, rewards))
+    jax.block_until_ready(m.loss)
+    return {"rollout_warmup_seconds": t_roll, "train_warmup_seconds": time.perf_counter() - t0}
+
+  def step(self) -> dict:
+    """One GRPO step; returns its metrics (also appended to metrics.jsonl)."""
+    run, k = self.run, self.next_step
+    g = run.grpo.group_size
+    toks, lens, golds, sids = self.batch(k)
+    t_start = time.perf_counter()
+    out = self.rollout(self.state.params, toks, lens, sids, self.adapt)
+    jax.block_until_ready(out.tokens)
+    t_roll = time.perf_counter() - t_start
+    report = out.adaptation_report or {}
+    adapt_s = float(report.get("adaptation_seconds", 0.0))
+    if out.adaptation is not None:
+      self.adapt = jax.device_put(out.adaptation, self.replicated)
+    t0 = time.perf_counter()
+    out_toks, out_lens = np.asarray(out.tokens), np.asarray(out.lengths)
+    texts = self.tok.decode_batch([out_toks[i, : out_lens[i]] for i in range(len(toks))])
+    rewards = _rewards.batch_rewards(texts, golds, format_weight=run.format_weight)
+    correct = _rewards.batch_rewards(texts, golds)
+    t_reward = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    self.state, m = self.train_step(self.state, Batch.from_rollout(toks, lens, out, rewards))
+    m = jax.device_get(m)
+    t_train = time.perf_counter() - t0
+    adv = np.asarray(group_advantages(jnp.asarray(rewards), g, run.grpo.adv_eps))
+    grouped = correct.reshape(-1, g)
+    st = out.stats
+    rec = {
+        "step": k, "rollout": run.rollout, "reward_mean": float(rewards.mean()),
+        "accuracy": float(correct.mean()), "pass_at_group": float((grouped > 0).any(1).mean()),
+        "groups_mixed": int((rewards.reshape(-1, g).std(1) > 0).sum()),
+        "tau": st.tokens_per_forward, "target_forwards": int(st.target_forwards) + 1,
+        "response_tokens": int(out_lens.sum()), "mean_length": float(out_lens.mean()),
+        "eos_rate": float((out_lens < run.max_new_tokens).mean()),
+        "loss": float(m.loss), "ratio_mean": float(m.ratio_mean),
+        "clip_fraction": float(m.clip_fraction), "logp_gap_mean": float(m.logp_gap_mean),
+        "logp_gap_max": float(m.logp_gap_max), "rollout_kl": float(m.rollout_kl),
+        "entropy": float(m.entropy), "grad_norm": float(m.grad_norm),
+        "rollout_seconds": t_roll - adapt_s, "adaptation_seconds": adapt_s,
+        "reward_seconds": t_reward, "train_seconds": t_train,
+        "step_seconds": time.perf_counter() - t_start,
+        "head_acceptance": [float(x) for x in np.asarray(st.head_acceptance)],
+    }
+    if report:
+      rec["safety"] = report.get("safety")
+      rec["reflex"] = report.get("reflex")
+      slow = report.get("slow") or {}
+      rec["slow"] = {key: slow.get(key) for key in ("decision", "heads", "kept", "rolled_back",
+                                                     "refresh_seconds", "compile_seconds")}
+    if run.eval_every and (k + 1) % run.eval_every == 0:
+      rec["eval_accuracy"] = self.evaluate()
+    self.traces.append({"prompt_ids": np.where(np.arange(toks.shape[1])[None] < lens[:, None],
+                                               toks, -1),
+                        "tokens": np.where(np.arange(out_toks.shape[1])[None] < out_lens[:, None],
+                                           out_toks, -1),
+                        "lengths": out_lens, "rewards": rewards,
+                        "logprobs": np.asarray(out.logprobs), "advantages": adv, "step": k,
+                        "tau": rec["tau"], "reward_mean": rec["reward_mean"]})
+    with open(self.metrics_path, "a") as f:
+      f.write(json.dumps(rec) + "\n")
+      f.flush()
+      os.fsync(f.fileno())
+    self.ckpt.save(k, self._saved(), {"step": k, "data_position": (k + 1) * run.prompts_per_step,
+                                      "seed": run.seed, "trace_steps": self.traces.num_steps})
+    self.next_step = k + 1
+    return rec
+
+  def evaluate(self) -> float:
+    """Greedy strict accuracy on the first ``eval_prompts`` GSM8K test prompts."""
+    from specroll_jax import sft
+    res = sft.evaluate_accuracy(self.config, self.state.params, self.tok,
+                                n=self.run.eval_prompts, max_new_tokens=self.run.max_new_tokens)
+    return float(res["accuracy_strict"])
+
+  def close(self) -> None:
+    self.ckpt.close()
+    self.traces.close()
+
+
+def read_metrics(path) -> list[dict]:
+  """The records of a metrics.jsonl file."""
+  return [json.loads(x) for x in Path(path).read_text().splitlines() if x.strip()]

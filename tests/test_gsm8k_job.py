@@ -1,0 +1,126 @@
+"""The main job end to end on a test-sized model: one step runs, bad flags end in one line with
+exit code 2, and a run killed with SIGKILL mid-run resumes to exactly the uninterrupted run."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from specroll_jax import heads as H
+from specroll_jax import models
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "experiments" / "gsm8k.py"
+TIMING = "seconds"  # wall-clock fields differ between runs; every other metric must not
+
+
+@pytest.fixture(scope="module")
+def job_model(trained_model, tmp_path_factory):
+  """(model folder, heads file) of the tiny test model."""
+  d = tmp_path_factory.mktemp("job")
+  config, params, tok = trained_model
+  models.save_pretrained(d / "model", config, params)
+  tok.save(d / "model")
+  H.save(d / "heads.safetensors", H.init(jax.random.key(0), config, 3, scale=0.05))
+  return d / "model", d / "heads.safetensors"
+
+
+def _cmd(job_model, out, *extra):
+  model, heads = job_model
+  return [sys.executable, str(SCRIPT), "--model", str(model), "--heads", str(heads),
+          "--prompts", "2", "--group", "4", "--max-new-tokens", "24", "--out", str(out), *extra]
+
+
+def _env():
+  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+
+
+def test_one_step_end_to_end(job_model, tmp_path):
+  out = tmp_path / "run"
+  proc = subprocess.run(_cmd(job_model, out, "--steps", "1"), capture_output=True, text=True,
+                        env=_env(), timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  summary = json.loads((out / "summary.json").read_text())
+  assert summary["table"]["same_rewards"] and summary["table"]["max_param_diff"] < 1e-5
+  for kind in ("specroll", "vanilla"):
+    recs = [json.loads(x) for x in (out / kind / "metrics.jsonl").read_text().splitlines()]
+    assert len(recs) == 1 and recs[0]["logp_gap_max"] < 1e-4
+    assert (out / kind / "traces" / "zarr.json").exists()
+  assert (out / "gsm8k.png").stat().st_size > 10_000
+  assert "step 1/1" in proc.stdout  # one plain line per step in a log
+
+
+@pytest.mark.parametrize("flags,name", [
+    (["--steps", "0"], "--steps"), (["--group", "-1"], "--group"),
+    (["--temperature", "-1"], "--temperature"), (["--top-p", "1.5"], "--top-p"),
+    (["--lr", "0"], "--lr"), (["--model", "/no/such/folder"], "--model"),
+    (["--rollout", "fast"], "--rollout"), (["--steps", "many"], "--steps"),
+    (["--resume"], "--resume"),
+])
+def test_bad_flags_exit_2_with_one_line(tmp_path, flags, name):
+  proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), *flags],
+                        capture_output=True, text=True, env=_env(), timeout=300)
+  assert proc.returncode == 2, proc.stderr
+  lines = [x for x in proc.stderr.splitlines() if x.strip()]
+  assert len(lines) == 1 and name in lines[0] and "Traceback" not in proc.stderr, proc.stderr
+
+
+def _records(path):
+  def strip(x):
+    if isinstance(x, dict):
+      return {k: strip(v) for k, v in x.items() if TIMING not in k}
+    return x
+  return [strip(json.loads(x)) for x in Path(path).read_text().splitlines()]
+
+
+def _final_params(out):
+  from specroll_jax.checkpoint import Checkpointer
+  ck = Checkpointer(out / "specroll" / "checkpoints", async_save=False)
+  meta = ck.restore_meta()
+  import orbax.checkpoint as ocp
+  raw = ocp.StandardCheckpointer().restore(
+      os.path.join(ck.directory, str(ck.latest_step()), "state"))
+  ck.close()
+  return meta, raw
+
+
+def test_sigkill_mid_run_resumes_to_the_uninterrupted_run(job_model, tmp_path):
+  steps = ["--steps", "4", "--no-compare"]
+  full, cut = tmp_path / "full", tmp_path / "cut"
+  proc = subprocess.run(_cmd(job_model, full, *steps), capture_output=True, text=True,
+                        env=_env(), timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  # the same run, killed with SIGKILL as soon as two steps are on record (inside step 3, or while
+  # step 2's checkpoint is being written)
+  p = subprocess.Popen(_cmd(job_model, cut, *steps), stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, env=_env())
+  metrics = cut / "specroll" / "metrics.jsonl"
+  deadline = time.time() + 600
+  while time.time() < deadline and p.poll() is None:
+    if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+      p.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.05)
+  p.wait(timeout=60)
+  assert p.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+  done = len(metrics.read_text().splitlines())
+  assert done < 4
+  proc = subprocess.run(_cmd(job_model, cut, *steps, "--resume"), capture_output=True, text=True,
+                        env=_env(), timeout=900)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "resumed from step" in proc.stdout or done == 0
+  a, b = _records(full / "specroll" / "metrics.jsonl"), _records(metrics)
+  assert [r["step"] for r in b] == [0, 1, 2, 3]
+  assert a == b  # every metric of every step, the adaptation state's effects included
+  meta_a, pa = _final_params(full)
+  meta_b, pb = _final_params(cut)
+  assert meta_a["step"] == meta_b["step"] == 3
+  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
+    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), atol=1e-6)
