@@ -52,6 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from specroll_jax import cli  # noqa: E402
 from specroll_jax.models import forward, load_pretrained  # noqa: E402
 from specroll_jax.rollout import SamplingConfig, generate  # noqa: E402
 
@@ -59,7 +60,7 @@ TARGETS = {1: 3.0, 32: 1.2}  # issue: ours / HF tokens/s at these batch sizes
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--out", type=Path, default=Path("runs/bench_decode.json"),
                  help="JSON results path (the PNG plot goes next to it, same stem)")
   p.add_argument("--quick", action="store_true", help="smoke test: batches 1 8, 16 new tokens")
@@ -86,6 +87,8 @@ def parse_args(argv=None):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--vocab", type=int, default=2048)
   args = p.parse_args(argv)
+  cli.require(args, batches=1, max_new=1, prompt_len=1, repeats=1, gap=0.0, seed=0, hf_threads=1,
+              layers=1, hidden=1, intermediate=1, heads=1, kv_heads=1, head_dim=1, vocab=2)
   if args.hf_threads is None:
     args.hf_threads = list(dict.fromkeys([os.cpu_count(), 1]))
   if args.quick:

@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from pallas_kernels import counter_hash as ch
 from pallas_kernels import fused_sampler as fs
 from pallas_kernels import tree_attention as ta
+from specroll_jax import cli
 
 # name -> (H, Hkv, Dh, D): Qwen2.5 layouts
 MODELS = {"qwen2.5-1.5b": (12, 2, 128, 1536), "qwen2.5-7b": (28, 4, 128, 3584)}
@@ -42,7 +43,7 @@ VOCAB = 151936
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--out", type=Path, default=Path("bench_kernels.json"), help="JSON results path")
   p.add_argument("--quick", action="store_true",
                  help="tiny shapes, interpret mode on CPU (smoke check, < 60 s)")
@@ -67,7 +68,10 @@ def parse_args(argv=None):
                  help="skip configs whose estimated footprint exceeds this share of device memory")
   p.add_argument("--dtype", default=None, choices=["bfloat16", "float32"],
                  help="default: bfloat16 on GPU/TPU, float32 on CPU")
-  return p.parse_args(argv)
+  args = p.parse_args(argv)
+  cli.require(args, lengths=1, tree_sizes=1, batches=1, prefill_lengths=1, prefill_batch=1,
+              rows=1, temperatures=0.0, reps=1, inner=1, warmup=0, copy_mib=1, mem_fraction=0.0)
+  return args
 
 
 def device_time(fn, *args, warmup: int, reps: int, inner: int) -> float:

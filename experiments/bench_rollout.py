@@ -21,7 +21,7 @@ import _common  # noqa: F401
 import jax
 import numpy as np
 
-from specroll_jax import pipeline, rollout
+from specroll_jax import cli, pipeline, rollout
 
 
 def _timed(fn, repeats):
@@ -36,7 +36,7 @@ def _timed(fn, repeats):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--model", default=None, help="HF model folder (default: embedded tiny model)")
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--group", type=int, default=8)
@@ -51,11 +51,18 @@ def main(argv=None):
   ap.add_argument("--out", default="runs/bench_rollout.json")
   ap.add_argument("--quick", action="store_true", help="2 prompts x 4, 48 tokens, one budget")
   a = ap.parse_args(argv)
+  cli.require(a, prompts=1, group=1, max_new_tokens=1, temperature=0.0, budgets=0, max_nodes=0,
+              repeats=1, seed=0, heads_steps=1)
+  if not 0 < a.top_p <= 1:
+    cli.fail("--top-p", a.top_p, "must be in (0, 1]")
   if a.quick:
     a.prompts, a.group, a.max_new_tokens, a.budgets = 2, 4, 48, [32]
     a.repeats, a.heads_steps = 1, 50
 
-  config, params, tok, path = pipeline.load_model(a.model)
+  try:
+    config, params, tok, path = pipeline.load_model(a.model)
+  except ValueError as e:
+    cli.fail("--model", a.model, str(e))
   heads = pipeline.fitted_heads(config, params, tok, path, steps=a.heads_steps,
                                 temperature=a.temperature,
                                 num_prompts=32 if a.quick else 128,

@@ -39,6 +39,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from specroll_jax import cli  # noqa: E402
+
 DEFAULT_BUDGET_S = 480.0  # last case start / benchmark stop: the whole run ends before 9 minutes
 BENCH_MIN_S = 60.0  # do not start the benchmark with less time than this left
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -262,7 +264,7 @@ def run_bench(report: Report, out: Path):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--out", default="runs/device")
   ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
                   help="no case starts, and the benchmark is stopped, after this many seconds")
@@ -271,6 +273,7 @@ def main(argv=None):
   ap.add_argument("--interpret", action="store_true",
                   help="CPU smoke run of this script: interpret mode, tiny shapes, no bench")
   a = ap.parse_args(argv)
+  cli.require(a, budget_s=0.0)
   out = Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   report = Report(out / "device_check.json", a.budget_s)

@@ -19,3 +19,15 @@ class ArgumentParser(argparse.ArgumentParser):
   def error(self, message: str) -> NoReturn:
     print(f"error: {message}", file=sys.stderr)
     raise SystemExit(2)
+
+
+def require(args, **lower_bounds) -> None:
+  """``fail`` unless every named argument (a number or a list of numbers; None is skipped) is at
+  least its bound: ``require(a, steps=1, lr=1e-12)``. The flag is the name with "-" for "_"."""
+  for name, lo in lower_bounds.items():
+    value = getattr(args, name)
+    if value is None:
+      continue
+    for v in value if isinstance(value, list | tuple) else [value]:
+      if not v >= lo:  # also catches NaN
+        fail("--" + name.replace("_", "-"), value, f"must be >= {lo}")

@@ -51,8 +51,8 @@ class SamplingConfig:
 
   temperature: 0 is greedy argmax; > 0 samples softmax(logits / temperature).
   top_k: 0 means no top-k restriction; else keep the k largest logits.
-  top_p: nucleus mass in (0, 1]; 1.0 means no restriction. Applied after top-k, as transformers
-  does.
+  top_p: nucleus mass in (0, 1]; 1.0 means no restriction. Applied after top-k, as in
+    transformers.
   """
 
   temperature: float = 1.0
@@ -123,12 +123,9 @@ def sample(
   """Sample the token for absolute position ``positions`` from ``logits`` (the previous position's).
 
   Returns (tokens int32 [*R], logprobs f32 [*R], nonfinite bool [*R]). The logprob is that of the
-  chosen
-  token under the sampling distribution (tempered, restricted, renormalised; greedy:
-  softmax(logits)).
-  ``nonfinite`` flags rows whose logits hold NaN or inf; their token is meaningless and callers must
-  not
-  commit it.
+  chosen token under the sampling distribution (tempered, restricted, renormalised; greedy:
+  softmax(logits)). ``nonfinite`` flags rows whose logits hold NaN or inf; their token is
+  meaningless and callers must not commit it.
   """
   x = allowed_logits(logits, cfg)
   nonfinite = ~jnp.all(jnp.isfinite(logits), axis=-1)
