@@ -122,5 +122,9 @@ def test_sigkill_mid_run_resumes_to_the_uninterrupted_run(job_model, tmp_path):
   meta_a, pa = _final_params(full)
   meta_b, pb = _final_params(cut)
   assert meta_a["step"] == meta_b["step"] == 3
-  for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True):
-    np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), atol=1e-6)
+  assert pa.keys() == pb.keys() and any(k.startswith("train_params") for k in pa)
+  for key in pa:  # policy, optimizer and adaptation state; the monitor's clocks excepted
+    if "seconds" in key:
+      continue
+    np.testing.assert_allclose(np.asarray(pa[key], np.float64), np.asarray(pb[key], np.float64),
+                               atol=1e-6, err_msg=key)
