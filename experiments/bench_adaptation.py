@@ -27,13 +27,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import _common  # noqa: F401
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,12 +107,8 @@ def main(argv=None):
   ap.add_argument("--out", default="runs/bench_adaptation.json")
   ap.add_argument("--quick", action="store_true", help="3 batches, 2 arms, short rollouts")
   a = ap.parse_args(argv)
-  for flag, v, lo in (("--batches", a.batches, 2), ("--prompts", a.prompts, 1),
-                      ("--group", a.group, 1), ("--max-new-tokens", a.max_new_tokens, 1),
-                      ("--drift-steps", a.drift_steps, 0), ("--node-budget", a.node_budget, 0),
-                      ("--calibration", a.calibration, 1)):
-    if v < lo:
-      cli.fail(flag, v, f"must be >= {lo}")
+  cli.require(a, batches=2, prompts=1, group=1, max_new_tokens=1, drift_steps=0, node_budget=0,
+              calibration=1)
   if not 0 <= a.temperature < float("inf"):
     cli.fail("--temperature", a.temperature, "must be a finite number >= 0")
   if not (a.drift_lr >= 0 and a.slow_lr > 0):
@@ -185,7 +179,8 @@ def main(argv=None):
       rec.append(r)
     results[arm] = rec
   meta = {"command": "experiments/bench_adaptation.py " + " ".join(
-      sys.argv[1:] if argv is None else argv), "cpu": _cpu_model(), "jax": jax.__version__,
+      sys.argv[1:] if argv is None else argv), "cpu": _common.cpu_model(),
+      "jax": jax.__version__,
       "model": str(path), "args": vars(a), "drift_seconds": drift_s,
       "drift": f"{a.drift_steps} AdamW SFT steps (lr {a.drift_lr}, batch 16) on GSM8K train "
                "before every batch"}
@@ -251,16 +246,6 @@ def plot(results, entropy, path, a) -> None:
   ax[1].set_ylabel("target mean next-token entropy (nats)")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-
-
-def _cpu_model() -> str:
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from __future__ import annotations
 import sys
 
 if "--worker" not in sys.argv:  # a worker imports the library of the tree on its PYTHONPATH
-  import _common  # noqa: F401
+  import _common
 
 import json
 import os
@@ -150,11 +150,7 @@ def main(argv=None):
   ap.add_argument("--out", default="runs/bench_engine.json")
   ap.add_argument("--quick", action="store_true", help="2 prompts x 4, 48 tokens, few cases")
   a = ap.parse_args(argv)
-  for flag, v, lo in (("--prompts", a.prompts, 1), ("--group", a.group, 1),
-                      ("--max-new-tokens", a.max_new_tokens, 1), ("--rounds", a.rounds, 1),
-                      ("--repeats", a.repeats, 1), ("--heads-steps", a.heads_steps, 1)):
-    if v < lo:
-      cli.fail(flag, v, f"must be >= {lo}")
+  cli.require(a, prompts=1, group=1, max_new_tokens=1, rounds=1, repeats=1, heads_steps=1)
   if a.quick:
     a.prompts, a.group, a.max_new_tokens, a.rounds, a.repeats, a.heads_steps = 2, 4, 48, 1, 1, 50
   if a.compare_to is not None:
@@ -198,7 +194,7 @@ def main(argv=None):
                        capture_output=True)
   merged = {name: _median_over_rounds(rs) for name, rs in rounds.items()}
   meta = {"command": "experiments/bench_engine.py " + " ".join(argv or sys.argv[1:]),
-          "cpu": _cpu_model(), "machine": platform.machine(), "model": str(path),
+          "cpu": _common.cpu_model(), "machine": platform.machine(), "model": str(path),
           "rows": len(batch), "max_new_tokens": a.max_new_tokens, "rounds": a.rounds,
           "repeats": a.repeats, "compare_to": a.compare_to}
   out_path.write_text(json.dumps({"meta": meta, "results": merged}, indent=2))
@@ -218,16 +214,6 @@ def _median_over_rounds(rs: list[dict]) -> dict:
     m["identical_across_rounds"] = len({v["token_hash"] for v in vals}) == 1
     out[name] = m
   return out
-
-
-def _cpu_model() -> str:
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name"):
-        return line.split(":", 1)[1].strip() + f", {os.cpu_count()} cores"
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
 
 
 def _report(res: dict, meta: dict) -> None:

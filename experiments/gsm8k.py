@@ -21,11 +21,10 @@ import argparse
 import dataclasses
 import json
 import platform
-import subprocess
 import sys
 from pathlib import Path
 
-import _common  # noqa: F401
+import _common
 import jax
 import numpy as np
 
@@ -69,25 +68,16 @@ def parse(argv):
   ap.add_argument("--out", default="runs/gsm8k")
   ap.add_argument("--resume", action="store_true", help="continue the run in --out")
   a = ap.parse_args(argv)
-  for flag, v, lo in (("--steps", a.steps, 1), ("--prompts", a.prompts, 1),
-                      ("--group", a.group, 1), ("--max-new-tokens", a.max_new_tokens, 1),
-                      ("--eval-every", a.eval_every, 0), ("--seed", a.seed, 0)):
-    if v < lo:
-      cli.fail(flag, v, f"must be >= {lo}")
+  cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
+              beta=0.0, node_budget=0)
   if not 0 <= a.temperature < float("inf"):
     cli.fail("--temperature", a.temperature, "must be a finite number >= 0")
   if not 0 < a.top_p <= 1:
     cli.fail("--top-p", a.top_p, "must be in (0, 1]")
-  if a.top_k < 0:
-    cli.fail("--top-k", a.top_k, "must be >= 0 (0 = off)")
   if a.lr is not None and not a.lr > 0:
     cli.fail("--lr", a.lr, "must be > 0")
-  if not a.beta >= 0:
-    cli.fail("--beta", a.beta, "must be >= 0")
   if not (0 <= a.clip[0] < 1 and a.clip[1] >= 0):
     cli.fail("--clip", list(a.clip), "LOW must be in [0, 1) and HIGH >= 0")
-  if a.node_budget is not None and a.node_budget < 0:
-    cli.fail("--node-budget", a.node_budget, "must be >= 0")
   if a.model is not None and not Path(a.model).is_dir():
     cli.fail("--model", a.model, "is not a folder (a Hugging Face model folder is expected)")
   if a.heads is not None and not Path(a.heads).is_file():
@@ -194,8 +184,9 @@ def main(argv=None):
     runs[kind] = r
   table = compare(results, runs, kinds)
   meta = {"command": "experiments/gsm8k.py " + " ".join(sys.argv[1:] if argv is None else argv),
-          "model": str(path), "cpu": _cpu_model(), "devices": [str(d) for d in jax.devices()],
-          "jax": jax.__version__, "machine": platform.machine()}
+          "model": str(path), "cpu": _common.cpu_model(),
+          "devices": [str(d) for d in jax.devices()], "jax": jax.__version__,
+          "machine": platform.machine()}
   (out / "summary.json").write_text(json.dumps({"meta": meta, "table": table,
                                                 "summaries": {k: v["summary"]
                                                               for k, v in results.items()}},
@@ -280,16 +271,6 @@ def plot(results, path: Path) -> None:
     a_.set_xlabel("GRPO step")
   fig.tight_layout()
   fig.savefig(path, dpi=100)
-
-
-def _cpu_model() -> str:
-  try:
-    for line in subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines():
-      if line.startswith("Model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
 
 
 if __name__ == "__main__":

@@ -34,3 +34,37 @@ def gsm8k_prompts(trained_model):
 def random_model():
   config = models.ModelConfig.tiny(vocab_size=256, max_position_embeddings=256)
   return config, models.init_params(jax.random.key(0), config)
+
+
+def run_on_cpu_devices(tmp_path, source: str, devices: int = 4, timeout: int = 600) -> dict:
+  """Run ``source`` (a script that prints one line ``RESULT <json>``) in a fresh process with
+  ``devices`` CPU devices (XLA_FLAGS set before jax is imported); returns the parsed JSON."""
+  import json
+  import subprocess
+  import sys
+  from pathlib import Path
+  root = Path(__file__).resolve().parents[1]
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+             PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+  script = tmp_path / "on_devices.py"
+  script.write_text(source)
+  proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                        timeout=timeout)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+  return json.loads(line[len("RESULT "):])
+
+
+def ancestor_closure(parent, valid):
+  """The reflexive transitive closure of ``parent`` over valid nodes (numpy; diagonal for all):
+  what a tree's attention mask must be."""
+  import numpy as np
+  n1 = len(parent)
+  want = np.eye(n1, dtype=bool)
+  for i in range(n1):
+    if valid[i]:
+      j = i
+      while j >= 0:
+        want[i, j] = True
+        j = int(parent[j])
+  return want

@@ -5,11 +5,10 @@ over finished rollouts (seq_mean, KL to a reference) and the fully on-device ste
 (1 device and 4 devices), two steps each, and reports the differences."""
 
 import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
+
+from conftest import run_on_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,15 +88,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_grpo_steps_same_update_on_1_and_4_devices(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  script = tmp_path / "grpo_sharded.py"
-  script.write_text(_SCRIPT)
-  proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-  res = json.loads(line[len("RESULT "):])
+  res = run_on_cpu_devices(tmp_path, _SCRIPT)
   print(json.dumps({k: {f: v[f] for f in ("param_diff", "update")} for k, v in res.items()}))
   off, dev = res["offline"], res["on_device"]
   assert min(off["lengths"]) < 12 and max(off["lengths"]) == 12  # ragged: EOS in some rows

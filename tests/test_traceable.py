@@ -2,16 +2,13 @@
 (``XLA_FLAGS=--xla_force_host_platform_device_count=4``, in a subprocess) every shard runs its own
 bucketed loops and the result equals the unsharded rollout, token for token."""
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import run_on_cpu_devices
 
 from specroll_jax import heads as H
 from specroll_jax import rollout
@@ -101,15 +98,7 @@ _SHARDED = textwrap.dedent("""
 
 
 def test_rollouts_under_shard_map_on_4_devices(tmp_path):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-             PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-  script = tmp_path / "sharded.py"
-  script.write_text(_SHARDED)
-  proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                        timeout=600)
-  assert proc.returncode == 0, proc.stderr[-4000:]
-  line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
-  res = json.loads(line[len("RESULT "):])
+  res = run_on_cpu_devices(tmp_path, _SHARDED)
   lens = np.array(res["lengths"])
   assert lens.min() < 24 and lens.max() == 24  # ragged: shards loop for different counts
   for name in ("spec", "vanilla"):

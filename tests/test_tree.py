@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import ancestor_closure
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -113,14 +114,7 @@ def test_plan_properties(args):
     assert len(pairs) == n_eff
 
     # ancestor mask == reflexive transitive closure of parent (valid); invalid: diagonal only
-    want = np.eye(n1, dtype=bool)
-    for i in range(n1):
-      if valid[i]:
-        j = i
-        while j >= 0:
-          want[i, j] = True
-          j = int(parent[j])
-    np.testing.assert_array_equal(t["mask"][r], want)
+    np.testing.assert_array_equal(t["mask"][r], ancestor_closure(parent, valid))
 
     # map tree nodes to candidate-tree paths (token paths are unique: top-k tokens are distinct)
     by_tokens = {}

@@ -4,6 +4,7 @@ within the budget, and the heads proposer's trimmed candidate set (same tree as 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from conftest import ancestor_closure
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -39,18 +40,6 @@ def _paths(tokens, parent, valid):
   return out
 
 
-def _closure(parent, valid):
-  n1 = len(parent)
-  want = np.eye(n1, dtype=bool)
-  for i in range(n1):
-    if valid[i]:
-      j = i
-      while j >= 0:
-        want[i, j] = True
-        j = int(parent[j])
-  return want
-
-
 def test_chain_and_root_only():
   root = jnp.array([5, 6, 7])
   toks = jnp.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
@@ -61,7 +50,7 @@ def test_chain_and_root_only():
   np.testing.assert_array_equal(np.asarray(tr.parent)[0, :4], [-1, 0, 1, 2])
   for r in range(3):
     np.testing.assert_array_equal(np.asarray(tr.mask)[r],
-                                  _closure(np.asarray(tr.parent)[r], valid[r]))
+                                  ancestor_closure(np.asarray(tr.parent)[r], valid[r]))
   ro = T.root_only(root)
   assert ro.num_nodes == 0 and np.asarray(ro.valid).all()
 
@@ -126,7 +115,7 @@ def test_merge_chain_properties(args):
     # the chain (cut to the budget) is in the tree as one path
     assert want_chain in after.values()
     # the ancestor mask is the closure of the new parents
-    np.testing.assert_array_equal(o["mask"][r], _closure(parent, valid))
+    np.testing.assert_array_equal(o["mask"][r], ancestor_closure(parent, valid))
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
