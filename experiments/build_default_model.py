@@ -76,8 +76,9 @@ def main(argv=None):
   if not a.lr > 0:
     fail("--lr", a.lr, "must be > 0")
   out = Path(a.out)
-  if out.exists():
-    fail("--out", str(out), "already exists; remove it first (the build never overwrites)")
+  if out.exists() and not (out / "metrics.json").exists():
+    fail("--out", str(out), "exists but holds no finished SFT model; remove it first")
+  # an existing --out with a finished SFT model (an interrupted build) continues after the SFT
   cfg = sft.SFTConfig(steps=a.steps, learning_rate=a.lr, batch_size=a.batch_size, seed=a.seed)
   sft.build_model(out, models.ModelConfig.embedded_default, cfg, eval_examples=64,
                   progress=sys.stdout.isatty())

@@ -78,7 +78,7 @@ def test_lookup_proposers_equal_vanilla(trained_model, gsm8k_prompts, heads, cfg
   else:
     prop, pp = HeadsAndLookup(lookup=PromptLookup(max_chain=4)), (heads, ())
   got = rollout.generate(config, params, prompts, proposer=prop, proposer_params=pp,
-                         spec=SpecConfig(node_budget=48), **kw)
+                         spec=SpecConfig(node_budget=48, bucket_fractions=(1.0, 0.5)), **kw)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
   np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
   np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
