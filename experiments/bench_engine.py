@@ -146,13 +146,14 @@ def main(argv=None):
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--repeats", type=int, default=2)
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--heads-steps", type=int, default=600)
   ap.add_argument("--out", default="runs/bench_engine.json")
+  ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                  help="run only the cases whose name contains one of these (e.g. 'one bucket')")
   ap.add_argument("--quick", action="store_true", help="2 prompts x 4, 48 tokens, few cases")
   a = ap.parse_args(argv)
-  cli.require(a, prompts=1, group=1, max_new_tokens=1, rounds=1, repeats=1, heads_steps=1)
+  cli.require(a, prompts=1, group=1, max_new_tokens=1, rounds=1, repeats=1)
   if a.quick:
-    a.prompts, a.group, a.max_new_tokens, a.rounds, a.repeats, a.heads_steps = 2, 4, 48, 1, 1, 50
+    a.prompts, a.group, a.max_new_tokens, a.rounds, a.repeats = 2, 4, 48, 1, 1
   if a.compare_to is not None:
     ok = subprocess.run(["git", "rev-parse", "--verify", a.compare_to + "^{commit}"], cwd=ROOT,
                         capture_output=True)
@@ -162,13 +163,15 @@ def main(argv=None):
     config, params, tok, path = pipeline.load_model(a.model)
   except ValueError as e:
     cli.fail("--model", a.model, str(e))
-  hd = pipeline.fitted_heads(config, params, tok, path, steps=a.heads_steps,
-                             num_prompts=32 if a.quick else 128, max_new_tokens=a.max_new_tokens)
+  hd = pipeline.default_heads(config, params, tok, path)
   ids, _ = pipeline.prompts(tok, "test", a.prompts)
   batch, sids = pipeline.grpo_batch(ids, a.group)
   out_path = Path(a.out)
   out_path.parent.mkdir(parents=True, exist_ok=True)
-  all_cases = cases(a.quick)
+  all_cases = [c for c in cases(a.quick)
+               if a.only is None or any(t in c["name"] for t in a.only)]
+  if not all_cases:
+    cli.fail("--only", a.only, "matches no case")
   with tempfile.TemporaryDirectory() as td:
     tmp = Path(td)
     heads_file = tmp / "heads.safetensors"

@@ -172,19 +172,24 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
   r_idx = jnp.broadcast_to(jnp.arange(sl.root.shape[0])[:, None], em.keep.shape)
   history = sl.history.at[r_idx, jnp.where(em.keep, length[:, None] + 1 + j, c)].set(
       tokens, mode="drop")
-  topm_ids = topm_lp = lse = None
-  if proposer.feedback_topm > 0:  # the sampling distribution at the path nodes only
-    x = _sampling.allowed_logits(_dec.logits_from_hidden(config, params, path_hidden),
-                                 settings.sampling)  # [R, D1, V]
-    lse = jax.nn.logsumexp(x, axis=-1)
-    top_x, topm_ids = jax.lax.top_k(x, proposer.feedback_topm)
-    topm_lp = top_x - lse[..., None]
-  fb = Feedback(tree=tr, target_tokens=target_tokens, accepted=accepted, path=path,
-                path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
-                position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
-                done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=topm_ids,
-                topm_logprobs=topm_lp, lse=lse)
-  pstate, pstats = proposer.update(target, proposer_params, pstate, fb)
+  pstats = proposer.init_stats()
+  if num_nodes > 0:  # a step without a tree proposed nothing: no feedback to give
+    topm_ids = topm_lp = lse = None
+    if proposer.feedback_topm > 0:  # the sampling distribution at the path nodes only
+      reach = min(d1, num_nodes + 1)  # a path of N nodes has at most N + 1 committed tokens
+      x = _sampling.allowed_logits(
+          _dec.logits_from_hidden(config, params, path_hidden[:, :reach]),
+          settings.sampling)  # [R, reach, V]
+      lse = jax.nn.logsumexp(x, axis=-1)
+      top_x, topm_ids = jax.lax.top_k(x, proposer.feedback_topm)
+      topm_lp = top_x - lse[..., None]
+      topm_ids, topm_lp, lse = (_pad_cols(a, d1) for a in (topm_ids, topm_lp, lse))
+    fb = Feedback(tree=tr, target_tokens=target_tokens, accepted=accepted, path=path,
+                  path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
+                  position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
+                  done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=topm_ids,
+                  topm_logprobs=topm_lp, lse=lse)
+    pstate, pstats = proposer.update(target, proposer_params, pstate, fb)
   prow, pshared = proposer.split_state(pstate)
   slots = sl.replace(cache=cache, root=jnp.where(active, new_root, sl.root),
                      hidden=jnp.where(active[:, None], new_hidden, sl.hidden), n_out=em.n_out,

@@ -148,7 +148,9 @@ class Proposer:
   def update(self, target: Target, params: PyTree, state: PyTree,
              fb: Feedback) -> tuple[PyTree, PyTree]:
     """(new per-row state, statistics of this step) from the step's feedback. Statistics are a
-    pytree of arrays without a rows axis; the engine adds them up over the rollout."""
+    pytree of arrays without a rows axis; the engine adds them up over the rollout. Called after
+    every verify step that had a tree (N > 0); a bucket with N = 0 proposes nothing and runs the
+    plain decode step without feedback (buckets only ever grow N, so nothing is pending then)."""
     return state, self.init_stats()
 
   def init_stats(self) -> PyTree:
