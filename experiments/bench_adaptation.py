@@ -85,7 +85,7 @@ def drift_targets(config, params, tok, args) -> list:
     for _ in range(args.drift_steps):
       idx = rng.integers(0, len(tokens), 16)
       params, opt, _ = update(params, opt, jnp.asarray(tokens[idx]), jnp.asarray(mask[idx]))
-    out.append(jax.device_get(params))
+    out.append(params)
   return out
 
 
@@ -125,27 +125,32 @@ def main(argv=None):
   targets = drift_targets(config, params, tok, a)
   drift_s = time.perf_counter() - t0
   exs = gsm8k.load("test")
+  ids = [[tok.encode(gsm8k.format_prompt(e.question))
+          for e in exs[(b * a.prompts) % len(exs):][: a.prompts]] for b in range(a.batches)]
+  width = -(-max(len(p) for chunk in ids for p in chunk) // 16) * 16  # fixed shapes: one compile
   batches = []
   for b in range(a.batches):
-    chunk = exs[(b * a.prompts) % len(exs):][: a.prompts]
-    ids = [tok.encode(gsm8k.format_prompt(e.question)) for e in chunk]
-    rows = [p for p in ids for _ in range(a.group)]
+    rows = [p for p in ids[b] for _ in range(a.group)]
+    arr = np.zeros((len(rows), width), np.int32)
+    for i, p in enumerate(rows):
+      arr[i, : len(p)] = p
     sids = np.arange(len(rows)) + b * len(rows)
-    batches.append((rows, sids))
+    batches.append((arr, sids, np.array([len(p) for p in rows], np.int32)))
   kw = lambda b: dict(sampling=sampling, max_new_tokens=a.max_new_tokens, seed=a.seed,
-                      sample_ids=batches[b][1], eos_ids=tok.eos_ids)
+                      sample_ids=batches[b][1], eos_ids=tok.eos_ids,
+                      prompt_lengths=batches[b][2], cache_length=width + a.max_new_tokens)
   # the vanilla rollouts: reference tokens and the target's entropy along them
   ref, entropy, van_s = [], [], []
   for b in progress_range(a.batches, "vanilla + entropy"):
-    out = rollout.generate(config, targets[b], batches[b][0], **kw(b))
+    if b == 0:  # compile
+      jax.block_until_ready(rollout.generate(config, targets[b], batches[b][0], **kw(b)).tokens)
     t = time.perf_counter()
     out = rollout.generate(config, targets[b], batches[b][0], **kw(b))
     jax.block_until_ready(out.tokens)
     van_s.append(time.perf_counter() - t)
     ref.append((np.asarray(out.tokens), np.asarray(out.lengths)))
-    batch = rollout.prepare_batch(config, batches[b][0], max_new_tokens=a.max_new_tokens)
-    sc = trainer_logprobs(config, targets[b], jnp.asarray(batch.tokens),
-                          jnp.asarray(batch.lengths), out.tokens, out.lengths, sampling)
+    sc = trainer_logprobs(config, targets[b], jnp.asarray(batches[b][0]),
+                          jnp.asarray(batches[b][2]), out.tokens, out.lengths, sampling)
     m = np.arange(out.tokens.shape[1])[None] < np.asarray(out.lengths)[:, None]
     entropy.append(float((np.asarray(sc.entropy) * m).sum() / m.sum()))
   results = {}

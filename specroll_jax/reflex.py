@@ -485,8 +485,8 @@ class ReflexProposer(Proposer):
     jj = jnp.arange(cmax)[None, None]
     qtop = jax.lax.top_k(logits, cfg.top)[1]
     corr_top = jnp.where(jj < kc, jax.lax.top_k(logits, cmax)[1], -1)
-    raw_top = jax.lax.cond(
-        eligible.any(),
+    raw_top = jax.lax.cond(  # the raw head's logits: only when a corrected head is recorded
+        (eligible & rnd[:, None]).any(),
         lambda: jnp.where(jj < kc, jax.lax.top_k(_dec.logits_from_hidden(
             target.config, target.params, z), cmax)[1], -1),
         lambda: corr_top)

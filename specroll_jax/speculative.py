@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import responses as _resp
-from specroll_jax import sampling as _sampling
 from specroll_jax import tree as _tree
 from specroll_jax import verify as _verify
 from specroll_jax._vma import vary_like
@@ -154,7 +153,8 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
         hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
         row=sl.row, sample_ids=sl.sample_ids), num_nodes=num_nodes)
     res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
-                         max_depth=proposer.max_depth, kernels=settings.kernels)
+                         max_depth=proposer.max_depth, kernels=settings.kernels,
+                         topm=proposer.feedback_topm)
     path_len, tokens, logprobs, nonfinite = res.path_len, res.tokens, res.logprobs, res.nonfinite
     path_hidden, path = res.hidden, res.path
     target_tokens, accepted = res.target_tokens, res.accepted
@@ -174,16 +174,7 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
       tokens, mode="drop")
   pstats = proposer.init_stats()
   if num_nodes > 0:  # a step without a tree proposed nothing: no feedback to give
-    topm_ids = topm_lp = lse = None
-    if proposer.feedback_topm > 0:  # the sampling distribution at the path nodes only
-      reach = min(d1, num_nodes + 1)  # a path of N nodes has at most N + 1 committed tokens
-      x = _sampling.allowed_logits(
-          _dec.logits_from_hidden(config, params, path_hidden[:, :reach]),
-          settings.sampling)  # [R, reach, V]
-      lse = jax.nn.logsumexp(x, axis=-1)
-      top_x, topm_ids = jax.lax.top_k(x, proposer.feedback_topm)
-      topm_lp = top_x - lse[..., None]
-      topm_ids, topm_lp, lse = (_pad_cols(a, d1) for a in (topm_ids, topm_lp, lse))
+    topm_ids, topm_lp, lse = res.topm_ids, res.topm_logprobs, res.lse
     fb = Feedback(tree=tr, target_tokens=target_tokens, accepted=accepted, path=path,
                   path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
                   position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,

@@ -10,6 +10,7 @@ j = 0..D (its first D equal the accepted nodes' tokens; the last is the next roo
 from __future__ import annotations
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -31,24 +32,54 @@ class VerifyResult:
   v_path: Float[Array, "Ly R D1 Hkv Dh"]
   target_tokens: Int[Array, "R N1"]  # the target's sample at every node (for adaptation)
   accepted: Bool[Array, "R N1"]
+  # with topm > 0: the sampling distribution at each path node (its top-m ids and log-probs and
+  # the logsumexp of its tempered, restricted logits)
+  topm_ids: Int[Array, "R D1 M"] | None = None
+  topm_logprobs: Float[Array, "R D1 M"] | None = None
+  lse: Float[Array, "R D1"] | None = None
+
+
+def path_distribution(x_path, topm: int):
+  """(top-m ids, their log-probs, logsumexp) of sampling-distribution logits x [..., V]."""
+  lse = jax.nn.logsumexp(x_path, axis=-1)
+  top_x, ids = jax.lax.top_k(x_path, topm)
+  return ids, top_x - lse[..., None], lse
 
 
 def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: Int[Array, " R"],
            sampling: _sampling.SamplingConfig, *, max_depth: int,
-           kernels: Kernels = REFERENCE) -> VerifyResult:
+           kernels: Kernels = REFERENCE, topm: int = 0) -> VerifyResult:
   """Run the verify forward for ``tree`` over ``cache`` (not modified) and accept exactly.
-  ``max_depth`` (static) bounds the depth of every valid node; path arrays have max_depth + 1."""
+  ``max_depth`` (static) bounds the depth of every valid node; path arrays have max_depth + 1.
+  ``topm`` > 0 also returns the sampling distribution's top-m at the path nodes: taken from the
+  logits the sampler computed anyway on the jnp path, from one unembedding of the path nodes
+  after the fused kernel (which writes no logits)."""
   positions = cache.lengths[:, None] + tree.depth
   out = _dec.step(config, params, tree.tokens, positions, cache, tree.mask, kernels=kernels,
                   compute_logits=False)
-  tgt, lp, nf = _sampling.sample_from_hidden(config, params, out.hidden, seed,
-                                             sample_ids[:, None], positions + 1, sampling, kernels)
+  fused = kernels.sampler == "pallas" and sampling.plain
+  logits = None
+  if topm > 0 and not fused:
+    logits = _dec.logits_from_hidden(config, params, out.hidden)  # [R, N1, V], needed anyway
+    tgt, lp, nf = _sampling.sample(logits, seed, sample_ids[:, None], positions + 1, sampling)
+  else:
+    tgt, lp, nf = _sampling.sample_from_hidden(config, params, out.hidden, seed,
+                                               sample_ids[:, None], positions + 1, sampling,
+                                               kernels)
   acc, path, path_len = accept(tree, tgt, max_depth)
   take = lambda x: jnp.take_along_axis(x, path, axis=1)
   hidden = jnp.take_along_axis(out.hidden, path[:, :, None], axis=1)
+  dist = (None, None, None)
+  if topm > 0:
+    if logits is None:
+      logits_path = _dec.logits_from_hidden(config, params, hidden)
+    else:
+      logits_path = jnp.take_along_axis(logits, path[:, :, None], axis=1)
+    dist = path_distribution(_sampling.allowed_logits(logits_path, sampling), topm)
   kv_idx = path[None, :, :, None, None]
   return VerifyResult(tokens=take(tgt), logprobs=take(lp), nonfinite=take(nf), path=path,
                       path_len=path_len, hidden=hidden,
                       k_path=jnp.take_along_axis(out.k_new, kv_idx, axis=2),
                       v_path=jnp.take_along_axis(out.v_new, kv_idx, axis=2),
-                      target_tokens=tgt, accepted=acc)
+                      target_tokens=tgt, accepted=acc, topm_ids=dist[0], topm_logprobs=dist[1],
+                      lse=dist[2])
