@@ -1,5 +1,6 @@
 """Shared fixtures: a tiny trained GSM8K model (built once per session) and a random tiny model."""
 
+import gc
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -11,6 +12,33 @@ import pytest  # noqa: E402
 from specroll_jax import models, sft  # noqa: E402
 from specroll_jax.data import gsm8k  # noqa: E402
 from specroll_jax.models.tokenizer import Tokenizer  # noqa: E402
+
+
+def _mapped_regions() -> int:
+  try:
+    with open("/proc/self/maps") as f:
+      return sum(1 for _ in f)
+  except OSError:  # not Linux
+    return -1
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_executables(request):
+  """Drop jax's compiled executables after every test module.
+
+  Each XLA:CPU executable keeps a few memory mappings alive; a whole-suite process compiles
+  tens of thousands of them (hypothesis shapes, eager ops) and crossed Linux's
+  ``vm.max_map_count`` (65530), which made LLVM segfault mid-compile. Session fixtures hold
+  arrays, not executables, so the next module only recompiles what it uses.
+  """
+  yield
+  before = _mapped_regions()
+  jax.clear_caches()
+  gc.collect()
+  log = os.environ.get("SPECROLL_MAPS_LOG")
+  if log:
+    with open(log, "a") as f:
+      f.write(f"{request.module.__name__} {before} -> {_mapped_regions()}\n")
 
 
 @pytest.fixture(scope="session")

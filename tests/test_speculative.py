@@ -153,26 +153,28 @@ def test_verify_logits_match_path_forward(trained_model, gsm8k_prompts, random_h
   out = models.step(config, params, tr.tokens, positions, cache, tr.mask)
   res = verify.verify(config, params, tr, cache, 0, jnp.arange(2), cfg, max_depth=3)
   seqs, where = [], []
+  valid, tokens, parent = (np.asarray(a) for a in (tr.valid, tr.tokens, tr.parent))
   for b in range(2):
     for n in range(13):
-      if not tr.valid[b, n]:
+      if not valid[b, n]:
         continue
       path, node = [], n
       while node >= 0:
-        path.append(int(tr.tokens[b, node]))
-        node = int(tr.parent[b, node])
+        path.append(int(tokens[b, node]))
+        node = int(parent[b, node])
       seqs.append(prompts[b] + path[::-1])
       where.append((b, n))
   # one causal forward over right-padded root-to-node sequences (padding cannot affect them)
   width = max(map(len, seqs))
   padded = jnp.asarray([s + [0] * (width - len(s)) for s in seqs])
   full = models.forward(config, params, padded)
-  for i, (b, n) in enumerate(where):
-    last = full[i, len(seqs[i]) - 1]
-    np.testing.assert_allclose(np.asarray(out.logits[b, n]), np.asarray(last), atol=1e-4)
-    pos = len(prompts[b]) + int(tr.depth[b, n]) + 1
-    t, _, _ = sampling.sample(last, 0, b, pos, cfg)
-    assert int(t) == int(res.target_tokens[b, n])
+  rows = np.array([b for b, _ in where])
+  nodes = np.array([n for _, n in where])
+  last = full[np.arange(len(seqs)), np.array([len(s) - 1 for s in seqs])]
+  np.testing.assert_allclose(np.asarray(out.logits)[rows, nodes], np.asarray(last), atol=1e-4)
+  pos = np.array([len(prompts[b]) for b in rows]) + np.asarray(tr.depth)[rows, nodes] + 1
+  t, _, _ = sampling.sample(last, 0, jnp.asarray(rows), jnp.asarray(pos), cfg)
+  np.testing.assert_array_equal(np.asarray(t), np.asarray(res.target_tokens)[rows, nodes])
 
 
 def test_bad_spec_input(trained_model, random_heads):
