@@ -190,7 +190,28 @@ def _validate_step(spec: TraceSpec, step) -> dict[str, np.ndarray]:
   return out
 
 
-class TraceWriter:
+class _TraceHandle:
+  """What a writer and a reader of one trace folder both expose."""
+
+  _path: str
+  _spec: TraceSpec
+  _num_steps: int
+
+  @property
+  def path(self) -> str:
+    return self._path
+
+  @property
+  def spec(self) -> TraceSpec:
+    return self._spec
+
+  @property
+  def num_steps(self) -> int:
+    """Complete steps in the trace (for a writer: the index the next ``append`` writes)."""
+    return self._num_steps
+
+
+class TraceWriter(_TraceHandle):
   """Appends one step per ``append`` to the trace at ``path`` (created, or reopened to continue).
 
   Reopening an existing trace requires the same ``batch``/``prompt_len``/``max_new``/``scalars``
@@ -224,19 +245,6 @@ class TraceWriter:
       self._arrays = {name: a if a.shape[0] == self._capacity else _resize(a, self._capacity)
                       for name, a in arrays.items()}
     self._closed = False
-
-  @property
-  def path(self) -> str:
-    return self._path
-
-  @property
-  def spec(self) -> TraceSpec:
-    return self._spec
-
-  @property
-  def num_steps(self) -> int:
-    """Complete steps in the trace (the index the next ``append`` writes)."""
-    return self._num_steps
 
   def _check_open(self) -> None:
     if self._closed:
@@ -285,7 +293,7 @@ class TraceWriter:
     self.close()
 
 
-class TraceReader:
+class TraceReader(_TraceHandle):
   """Reads the complete steps of a trace, also while a writer (in any process) appends to it.
 
   ``num_steps`` is the count seen at open or at the last ``refresh()``; ``read`` reads within it.
@@ -300,18 +308,6 @@ class TraceReader:
     self._spec = TraceSpec.from_header(header)
     self._num_steps = int(header["num_steps"])
     self._arrays: dict[str, ts.TensorStore] = {}
-
-  @property
-  def path(self) -> str:
-    return self._path
-
-  @property
-  def spec(self) -> TraceSpec:
-    return self._spec
-
-  @property
-  def num_steps(self) -> int:
-    return self._num_steps
 
   def refresh(self) -> int:
     """Re-read the committed step count (it may also shrink after a writer's ``truncate``)."""
