@@ -122,7 +122,8 @@ def _print(rows, a):
   for r in rows:
     acc = " ".join(f"{x:.2f}" for x in r.get("head_acceptance", []))
     bk = " ".join(f"({b[0]},{b[1]},{b[2]},{b[3]:.2f})" for b in r.get("buckets", []))
-    t.add_row(r["engine"], "-" if r["budget"] is None else str(r["budget"]), f"{r['tau']:.2f}", str(r["target_forwards"]),
+    budget = "-" if r["budget"] is None else str(r["budget"])
+    t.add_row(r["engine"], budget, f"{r['tau']:.2f}", str(r["target_forwards"]),
               f"{r['seconds']:.2f}", f"{r['speedup']:.2f}x", f"{r['ms_per_forward']:.2f}",
               f"{r['break_even_tau']:.2f}", str(r["identical"]), acc, bk)
   Console(width=200).print(t)
