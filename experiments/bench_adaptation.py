@@ -127,15 +127,13 @@ def main(argv=None):
   exs = gsm8k.load("test")
   ids = [[tok.encode(gsm8k.format_prompt(e.question))
           for e in exs[(b * a.prompts) % len(exs):][: a.prompts]] for b in range(a.batches)]
-  width = -(-max(len(p) for chunk in ids for p in chunk) // 16) * 16  # fixed shapes: one compile
+  # one fixed width for every batch (the same shapes: one compile per arm)
+  width = rollout.pad_prompts([p for chunk in ids for p in chunk])[0].shape[1]
   batches = []
   for b in range(a.batches):
-    rows = [p for p in ids[b] for _ in range(a.group)]
-    arr = np.zeros((len(rows), width), np.int32)
-    for i, p in enumerate(rows):
-      arr[i, : len(p)] = p
-    sids = np.arange(len(rows)) + b * len(rows)
-    batches.append((arr, sids, np.array([len(p) for p in rows], np.int32)))
+    rows, sids = pipeline.grpo_batch(ids[b], a.group, first_prompt_index=b * a.prompts)
+    arr, lens = rollout.pad_prompts(rows, width)
+    batches.append((arr, sids, lens))
   kw = lambda b: dict(sampling=sampling, max_new_tokens=a.max_new_tokens, seed=a.seed,
                       sample_ids=batches[b][1], eos_ids=tok.eos_ids,
                       prompt_lengths=batches[b][2], cache_length=width + a.max_new_tokens)

@@ -31,7 +31,7 @@ import numpy as np
 from specroll_jax import adaptation, cli, pipeline, rollout
 from specroll_jax import slow_path as SP
 from specroll_jax.grpo import GRPOConfig
-from specroll_jax.grpo.loop import Run, RunConfig
+from specroll_jax.grpo.loop import Run, RunConfig, read_metrics
 from specroll_jax.progress import is_terminal
 from specroll_jax.reflex import ReflexConfig
 
@@ -179,7 +179,7 @@ def main(argv=None):
     cfg = run_config(a, rollout_kind=kind)
     resume = a.resume and (out / kind / "checkpoints").is_dir()
     recs, compile_info, r = train(a, cfg, model, heads, out / kind, resume=resume)
-    all_recs = [json.loads(x) for x in (out / kind / "metrics.jsonl").read_text().splitlines()]
+    all_recs = read_metrics(out / kind / "metrics.jsonl")
     results[kind] = {"summary": summarize(recs, compile_info), "records": all_recs}
     runs[kind] = r
   table = compare(results, runs, kinds)

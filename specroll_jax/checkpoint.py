@@ -23,10 +23,6 @@ import orbax.checkpoint as ocp
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
 
-def _path_str(path) -> str:
-  return "/".join(str(k) for k in path) or "<root>"
-
-
 def _check_json(value, where: str) -> None:
   """Raise ValueError naming the first entry of ``value`` that JSON cannot hold exactly."""
   if isinstance(value, _JSON_SCALARS):

@@ -33,10 +33,26 @@ from specroll_jax.speculative import speculative_rollout
 from specroll_jax.vanilla import vanilla_rollout
 
 __all__ = ["DecodeSettings", "Kernels", "PreparedBatch", "Rollout", "RolloutStats",
-           "SamplingConfig", "SpecConfig", "SpecStats", "generate", "prepare_batch",
+           "SamplingConfig", "SpecConfig", "SpecStats", "generate", "pad_prompts", "prepare_batch",
            "speculative_rollout", "vanilla_rollout"]
 
 PROMPT_BUCKET = 16  # prompt widths are padded up to a multiple of this (fewer recompiles)
+
+
+def pad_prompts(prompts, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """(tokens int32 [B, W] right-padded with 0, lengths int32 [B]) of ragged token-id lists.
+  ``width`` None: the longest prompt rounded up to a multiple of ``PROMPT_BUCKET``; a fixed width
+  (the same shapes for every batch: one compile) must hold the longest prompt."""
+  lens = np.array([len(p) for p in prompts], np.int32)
+  longest = int(lens.max())
+  if width is None:
+    width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+  elif longest > width:
+    raise ValueError(f"width={width} is shorter than the longest prompt ({longest} tokens)")
+  toks = np.zeros((len(prompts), int(width)), np.int32)
+  for i, p in enumerate(prompts):
+    toks[i, : len(p)] = p
+  return toks, lens
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,9 +129,7 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
       raise ValueError(
           f"prompts[{i}] holds token id {bad[0]} outside [0, vocab_size={config.vocab_size})")
   b = len(rows)
-  lens = np.array([len(r) for r in rows], np.int32)
-  width = int(-(-lens.max() // PROMPT_BUCKET) * PROMPT_BUCKET) if fixed_width is None else \
-      int(fixed_width)
+  toks, lens = pad_prompts(rows, fixed_width)
   if cache_length is None:
     cache_length = int(lens.max()) + int(max_new_tokens)
   if int(lens.max()) + int(max_new_tokens) > config.max_position_embeddings:
@@ -127,9 +141,6 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
     raise ValueError(
         f"prompt length {int(lens.max())} + max_new_tokens {max_new_tokens} = "
         f"{int(lens.max()) + int(max_new_tokens)} exceeds cache_length {cache_length}")
-  toks = np.zeros((b, width), np.int32)
-  for i, r in enumerate(rows):
-    toks[i, : len(r)] = r
   if sample_ids is None:
     sids = np.arange(b, dtype=np.int32)
   else:

@@ -146,6 +146,11 @@ def token_logprobs(logits: Float[Array, "*R V"], tokens: Int[Array, "*R"], cfg: 
   return jnp.take_along_axis(x, tokens[..., None].astype(jnp.int32), axis=-1)[..., 0] - lse
 
 
+def uses_fused_sampler(cfg: SamplingConfig, kernels: Kernels) -> bool:
+  """Whether ``sample_from_hidden`` uses the fused Pallas kernel (which writes no logits)."""
+  return kernels.sampler == "pallas" and cfg.plain
+
+
 def sample_from_hidden(config, params, hidden, seed, sample_ids, positions, cfg: SamplingConfig,
                        kernels: Kernels = REFERENCE):
   """Sample from pre-norm hidden states [..., D] (final norm + unembedding + ``sample``).
@@ -154,7 +159,7 @@ def sample_from_hidden(config, params, hidden, seed, sample_ids, positions, cfg:
   computes the token and its logprob without writing [..., V] logits
   (``pallas_kernels.fused_sampler``); a non-finite logprob flags the row. Otherwise the jnp path.
   """
-  if kernels.sampler == "pallas" and cfg.plain:
+  if uses_fused_sampler(cfg, kernels):
     lead = hidden.shape[:-1]
     normed = _dec.final_norm(config, params, hidden).reshape(-1, hidden.shape[-1])
     flat = lambda a: jnp.broadcast_to(jnp.asarray(a), lead).reshape(-1).astype(jnp.int32)

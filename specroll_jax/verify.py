@@ -57,9 +57,8 @@ def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: In
   positions = cache.lengths[:, None] + tree.depth
   out = _dec.step(config, params, tree.tokens, positions, cache, tree.mask, kernels=kernels,
                   compute_logits=False)
-  fused = kernels.sampler == "pallas" and sampling.plain
   logits = None
-  if topm > 0 and not fused:
+  if topm > 0 and not _sampling.uses_fused_sampler(sampling, kernels):
     logits = _dec.logits_from_hidden(config, params, out.hidden)  # [R, N1, V], needed anyway
     tgt, lp, nf = _sampling.sample(logits, seed, sample_ids[:, None], positions + 1, sampling)
   else:

@@ -100,7 +100,8 @@ class Prompts:
     self.ids = tok.encode_batch([gsm8k.format_prompt(e.question) for e in exs])
     self.golds = [e.gold for e in exs]
     longest = max(map(len, self.ids))
-    self.width = int(-(-longest // 16) * 16) if width is None else int(width)
+    self.width = (-(-longest // _rollout.PROMPT_BUCKET) * _rollout.PROMPT_BUCKET
+                  if width is None else int(width))
     if longest > self.width:
       raise ValueError(f"prompt_width={self.width} is shorter than the longest GSM8K train prompt "
                        f"({longest} tokens); use None or >= {longest}")
@@ -109,11 +110,7 @@ class Prompts:
     """(tokens [n, W] int32, lengths [n], golds, global indices [n])."""
     idx = np.arange(position, position + n)
     ex = self.order[idx % len(self.order)]
-    toks = np.zeros((n, self.width), np.int32)
-    lens = np.zeros((n,), np.int32)
-    for i, e in enumerate(ex):
-      toks[i, : len(self.ids[e])] = self.ids[e]
-      lens[i] = len(self.ids[e])
+    toks, lens = _rollout.pad_prompts([self.ids[e] for e in ex], self.width)
     return toks, lens, [self.golds[e] for e in ex], idx
 
 
