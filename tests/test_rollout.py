@@ -154,3 +154,18 @@ def test_nonfinite_logits_are_reported():
     else:
       assert lens[i] == 8
   assert np.isfinite(np.asarray(r.logprobs)).all()
+
+
+def test_pad_prompts_widths_and_bad_width():
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, 100, n).tolist() for n in (3, 17, 9)]
+  toks, lens = rollout.pad_prompts(prompts)
+  assert toks.shape == (3, 32) and toks.dtype == np.int32  # 17 rounded up to 16's multiple
+  np.testing.assert_array_equal(lens, [3, 17, 9])
+  for row, p in zip(toks, prompts, strict=True):
+    np.testing.assert_array_equal(row[: len(p)], p)
+    assert not row[len(p):].any()
+  assert rollout.pad_prompts(prompts, 17)[0].shape == (3, 17)
+  with pytest.raises(ValueError,
+                     match=r"width=16 is shorter than the longest prompt \(17 tokens\)"):
+    rollout.pad_prompts(prompts, 16)
