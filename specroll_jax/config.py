@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from specroll_jax import buckets as _buckets
 from specroll_jax.kernels import Kernels
 from specroll_jax.sampling import SamplingConfig
 
@@ -24,6 +25,10 @@ class DecodeSettings:
   kernels: which attention / sampler implementation (``Kernels.resolve``); resolved already.
   return_hidden: also record the pre-norm hidden state at the anchor of every response token.
   pad_id: the token written after each response's end.
+  bucket_fractions: the vanilla engine's row buckets as fractions of the batch (descending from
+    1.0): live rows move into the next smaller bucket once no more of them are active than it
+    holds, as a serving engine frees finished rows. ``(1.0,)`` keeps every row until the longest
+    response ends. (The speculative engine's buckets are ``SpecConfig.bucket_fractions``.)
   """
 
   sampling: SamplingConfig
@@ -32,6 +37,8 @@ class DecodeSettings:
   kernels: Kernels = Kernels()
   return_hidden: bool = False
   pad_id: int = 0
+  bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
+  nodes: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if not isinstance(self.sampling, SamplingConfig):
@@ -50,6 +57,8 @@ class DecodeSettings:
     if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, (int, np.integer)):
       raise ValueError(f"DecodeSettings.pad_id must be an int, got {self.pad_id!r}")
     object.__setattr__(self, "pad_id", int(self.pad_id))
+    object.__setattr__(self, "bucket_fractions", _buckets.check_fractions(
+        self.bucket_fractions, "DecodeSettings.bucket_fractions"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,13 +76,17 @@ class SpecConfig:
   num_heads, topk: the shorthand ``generate(spec=..., heads=h)`` builds the static-heads proposer
     ``HeadsProposer(num_heads, topk)`` from these. topk has one entry per head (candidates at each
     depth); None means (4, 3, 2, 2, ...)[:num_heads].
+  nodes: nodes per row in each bucket, one entry per bucket fraction (what ``goodput.choose``
+    picks from measured cost and acceptance); overrides node_budget / max_nodes (still capped by
+    the proposer's capacity). 0 runs the plain decode step in that bucket.
   """
 
   num_heads: int = 3
   node_budget: int = 64
   max_nodes: int = 16
   topk: tuple[int, ...] | None = None
-  bucket_fractions: tuple[float, ...] = (1.0, 0.5, 0.25, 0.125)
+  bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
+  nodes: tuple[int, ...] | None = None
 
   def __post_init__(self):
     _int_at_least(self, "num_heads", 1)
@@ -89,11 +102,15 @@ class SpecConfig:
       raise ValueError(f"SpecConfig.topk has {len(topk)} entries {topk}, but num_heads="
                        f"{self.num_heads} (one entry per head)")
     object.__setattr__(self, "topk", tuple(int(k) for k in topk))
-    fr = tuple(self.bucket_fractions)
-    if not fr or fr[0] != 1.0 or any(not (0 < b <= 1) for b in fr) or list(fr) != sorted(fr)[::-1]:
-      raise ValueError(
-          f"SpecConfig.bucket_fractions must start at 1.0 and descend within (0, 1], got {fr}")
-    object.__setattr__(self, "bucket_fractions", fr)
+    object.__setattr__(self, "bucket_fractions", _buckets.check_fractions(
+        self.bucket_fractions, "SpecConfig.bucket_fractions"))
+    if self.nodes is not None:
+      nodes = tuple(self.nodes)
+      if len(nodes) != len(self.bucket_fractions) or any(
+          isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in nodes):
+        raise ValueError(f"SpecConfig.nodes must hold one int >= 0 per bucket fraction "
+                         f"({len(self.bucket_fractions)}), got {self.nodes}")
+      object.__setattr__(self, "nodes", tuple(int(n) for n in nodes))
 
   @classmethod
   def for_cpu(cls) -> SpecConfig:
@@ -110,14 +127,12 @@ class SpecConfig:
   def bucket_shapes(self, batch: int, capacity: int | None = None) -> list[tuple[int, int]]:
     """Static (rows, N) buckets for a batch: rows descending,
     N = min(max_nodes, node_budget // rows, capacity)."""
+    kept = _buckets.kept_buckets(batch, self.bucket_fractions)
+    if self.nodes is not None:
+      cap = max(self.nodes) if capacity is None else capacity
+      return [(r, min(cap, self.nodes[i])) for r, i in kept]
     cap = self.max_nodes if capacity is None else min(self.max_nodes, capacity)
-    shapes = []
-    for f in self.bucket_fractions:
-      rows = max(1, int(np.ceil(batch * f)))
-      if shapes and rows >= shapes[-1][0]:
-        continue
-      shapes.append((rows, min(cap, self.node_budget // rows)))
-    return shapes
+    return [(r, min(cap, self.node_budget // r)) for r, _ in kept]
 
 
 def _int_at_least(obj, name: str, lo: int) -> None:

@@ -238,7 +238,8 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
              spec: SpecConfig | None = None, heads=None, proposer: Proposer | None = None,
              proposer_params=None, kernels: str | Kernels = "auto", return_hidden: bool = False,
              on_nonfinite: str = "raise", allow_duplicate_sample_ids: bool = False,
-             profile: bool = False, adaptation=None) -> Rollout:
+             profile: bool = False, adaptation=None,
+             bucket_fractions: tuple[float, ...] | None = None) -> Rollout:
   """Sample one response per prompt from the target.
 
   prompts: a list of token-id lists (ragged) or a padded [B, P] integer array with
@@ -261,6 +262,9 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   adaptation: an ``adaptation.AdaptationState`` (heads + Reflex + slow path) to propose with; the
     returned ``Rollout.adaptation`` is the state for the next batch and
     ``Rollout.adaptation_report`` says what the fast and slow paths did (plain numbers).
+  bucket_fractions: the vanilla engine's row buckets (default ``DecodeSettings``'s: finished rows
+    are freed as the batch shrinks; ``(1.0,)`` keeps all rows to the end). The speculative engine
+    takes its buckets from ``spec``.
   """
   if not isinstance(sampling, SamplingConfig):
     raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
@@ -287,13 +291,20 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   spec, proposer, proposer_params = resolve_proposer(spec, heads, proposer, proposer_params)
   if proposer is not None:
     proposer.validate(config, proposer_params)
+    if bucket_fractions is not None:
+      raise ValueError("bucket_fractions is for the vanilla engine; the speculative engine takes "
+                       "its buckets from spec=SpecConfig(bucket_fractions=...)")
   batch = prepare_batch(config, prompts, max_new_tokens=max_new_tokens,
                         prompt_lengths=prompt_lengths, sample_ids=sample_ids, eos_ids=eos_ids,
                         cache_length=cache_length,
                         allow_duplicate_sample_ids=allow_duplicate_sample_ids)
+  extra = {} if bucket_fractions is None else {"bucket_fractions": tuple(bucket_fractions)}
+  if proposer is not None:
+    proposer.validate_batch(config, proposer_params, batch.tokens, batch.lengths,
+                            batch.sample_ids)
   settings = DecodeSettings(sampling=sampling, max_new_tokens=int(max_new_tokens),
                             cache_length=batch.cache_length, kernels=kern,
-                            return_hidden=bool(return_hidden), pad_id=pad_id)
+                            return_hidden=bool(return_hidden), pad_id=pad_id, **extra)
   args = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(batch.sample_ids),
           jnp.asarray(batch.eos_ids), jnp.uint32(seed))
   t0 = time.perf_counter()

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from specroll_jax import buckets as _buckets
 from specroll_jax import responses as _resp
 from specroll_jax import tree as _tree
 from specroll_jax import verify as _verify
@@ -113,8 +114,7 @@ def init_state(config, params, proposer: Proposer, proposer_params, prompt_token
 
 def compact(slots: Slots, rows: int) -> Slots:
   """Active slots first, ``rows`` slots kept (static); every per-slot leaf moves with its row."""
-  order = jnp.argsort(slots.done, stable=True)[:rows]
-  return jax.tree.map(lambda x: x[order], slots)
+  return _buckets.compact(slots, slots.done, rows)
 
 
 def _pad_cols(x, width: int, value=0):
@@ -151,7 +151,8 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
     budget = jnp.where(active, num_nodes, 0)
     tr, pstate = proposer.propose(target, proposer_params, pstate, ProposeInput(
         hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
-        row=sl.row, sample_ids=sl.sample_ids), num_nodes=num_nodes)
+        row=sl.row, sample_ids=sl.sample_ids, responses=s.out.tokens,
+        response_lengths=s.out.lengths), num_nodes=num_nodes)
     res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
                          max_depth=proposer.max_depth, kernels=settings.kernels,
                          topm=proposer.feedback_topm)
@@ -211,7 +212,7 @@ def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecS
   slots = state.slots
   if rows < slots.root.shape[0]:
     slots = compact(slots, rows)
-  exit_rows = shapes[bucket + 1][0] if bucket + 1 < len(shapes) else 0
+  exit_rows = _buckets.exit_rows(tuple(r for r, _ in shapes), bucket)
 
   def cond(s: SpecState):
     n_active = jnp.sum(~s.slots.done)

@@ -1,8 +1,16 @@
-"""The vanilla engine: batched prefill, then one decode step per token in a ``lax.while_loop``.
+"""The vanilla engine: batched prefill, then one decode step per token in a ``lax.while_loop``
+per concurrency bucket.
+
+Like a serving engine, it frees finished rows: the batch runs through the row buckets of
+``DecodeSettings.bucket_fractions`` (``buckets.py``), and once no more rows are active than the
+next bucket holds, the live rows (KV cache included) are compacted into it, in-graph. Outputs are
+written by global row and the noise of every token is a function of (seed, sample id, position,
+token), so compaction never changes a token; ``bucket_fractions=(1.0,)`` keeps every row until the
+longest response ends (the engine before compaction). It is the baseline every speculative figure
+is measured against.
 
 ``vanilla_rollout`` is traceable on device arrays: call it inside your own ``jax.jit`` or
-``jax.shard_map`` (``rollout.generate`` validates host inputs and calls its jitted form). Finished
-rows stay in the batch; it is the baseline the speculative engine is measured against.
+``jax.shard_map`` (``rollout.generate`` validates host inputs and calls its jitted form).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
+from specroll_jax import buckets as _buckets
 from specroll_jax import responses as _resp
 from specroll_jax import sampling as _sampling
 from specroll_jax._vma import vary_like
@@ -36,12 +45,21 @@ def decode_step(config, params, root, cache: _dec.KVCache, active, seed, sample_
 
 
 @flax.struct.dataclass
-class _State:
+class _Slots:
+  """Per-slot state (every leaf [R, ...]; compacted with its row)."""
+
   cache: _dec.KVCache
-  last: Int[Array, " B"]  # last emitted token (fed to the next step)
-  n_out: Int[Array, " B"]
-  done: Bool[Array, " B"]
-  out: _resp.Outputs
+  last: Int[Array, " R"]  # last emitted token (fed to the next step)
+  row: Int[Array, " R"]  # global row of the slot
+  sample_ids: Int[Array, " R"]
+  n_out: Int[Array, " R"]
+  done: Bool[Array, " R"]
+
+
+@flax.struct.dataclass
+class _State:
+  slots: _Slots
+  out: _resp.Outputs  # [B, ...], by global row
   forwards: Int[Array, ""]
   row_forwards: Int[Array, ""]
 
@@ -55,28 +73,40 @@ def vanilla_rollout(config, params, prompt_tokens, prompt_lengths, sample_ids, e
   ``settings`` are static. The caller guarantees P + max_new_tokens <= settings.cache_length.
   """
   b = prompt_tokens.shape[0]
-  rows = jnp.arange(b)
   m = settings.max_new_tokens
-  params = _dec.unstack_layers(params)  # per-layer slices taken once, outside the loop
+  params = _dec.unstack_layers(params)  # per-layer slices taken once, outside the loops
   st = _resp.start(config, params, prompt_tokens, prompt_lengths, sample_ids, eos_ids, seed,
                    settings)
-  state = _State(cache=st.cache, last=st.token, n_out=st.n_out, done=st.done, out=st.out,
-                 forwards=jnp.int32(0), row_forwards=jnp.int32(b))
+  slots = _Slots(cache=st.cache, last=st.token, row=jnp.arange(b, dtype=jnp.int32),
+                 sample_ids=sample_ids, n_out=st.n_out, done=st.done)
+  state = _State(slots=slots, out=st.out, forwards=jnp.int32(0), row_forwards=jnp.int32(b))
   state = vary_like(state, params, prompt_tokens, prompt_lengths, sample_ids, eos_ids, seed)
 
   def body(s: _State) -> _State:
-    active = ~s.done
-    hidden, cache, tok, lp, nf = decode_step(config, params, s.last, s.cache, active, seed,
-                                             sample_ids, settings)
-    em = _resp.emit(s.out, rows, s.n_out, s.done, tok[:, None], lp[:, None], hidden[:, None],
-                    nf[:, None], jnp.ones((b, 1), bool), eos_ids, m)
-    return s.replace(cache=cache, last=jnp.where(active, tok, s.last), n_out=em.n_out,
-                     done=em.done, out=em.out, forwards=s.forwards + 1,
+    sl = s.slots
+    active = ~sl.done
+    hidden, cache, tok, lp, nf = decode_step(config, params, sl.last, sl.cache, active, seed,
+                                             sl.sample_ids, settings)
+    em = _resp.emit(s.out, sl.row, sl.n_out, sl.done, tok[:, None], lp[:, None], hidden[:, None],
+                    nf[:, None], jnp.ones_like(active)[:, None], eos_ids, m)
+    slots = sl.replace(cache=cache, last=jnp.where(active, tok, sl.last), n_out=em.n_out,
+                       done=em.done)
+    return s.replace(slots=slots, out=em.out, forwards=s.forwards + 1,
                      row_forwards=s.row_forwards + active.sum().astype(jnp.int32))
 
-  s = jax.lax.while_loop(lambda s: ~jnp.all(s.done), body, state)
-  tokens, logprobs = _resp.finish(s.out, settings.pad_id)
-  stats = RolloutStats(target_forwards=s.forwards, row_forwards=s.row_forwards,
-                       tokens=s.out.lengths.sum(), nonfinite=s.out.nonfinite)
-  return Rollout(tokens=tokens, lengths=s.out.lengths, logprobs=logprobs, stats=stats,
-                 hidden=s.out.hidden)
+  rows = _buckets.bucket_rows(b, settings.bucket_fractions)
+  for i, r in enumerate(rows):
+    if r < state.slots.row.shape[0]:
+      state = state.replace(slots=_buckets.compact(state.slots, state.slots.done, r))
+    floor = _buckets.exit_rows(rows, i)
+
+    def cond(s: _State, floor=floor):
+      n_active = jnp.sum(~s.slots.done)
+      return (n_active > 0) & (n_active > floor)
+
+    state = jax.lax.while_loop(cond, body, state)
+  tokens, logprobs = _resp.finish(state.out, settings.pad_id)
+  stats = RolloutStats(target_forwards=state.forwards, row_forwards=state.row_forwards,
+                       tokens=state.out.lengths.sum(), nonfinite=state.out.nonfinite)
+  return Rollout(tokens=tokens, lengths=state.out.lengths, logprobs=logprobs, stats=stats,
+                 hidden=state.out.hidden)
