@@ -43,3 +43,10 @@ def progress_range(n: int, description: str, *, enabled: bool = True,
     yield i
     if (i + 1) % every == 0 or i + 1 == n:
       print(f"{description}: {i + 1}/{n} ({time.perf_counter() - t0:.1f} s)", flush=True)
+
+
+def progress_iter(items, description: str, *, enabled: bool = True):
+  """Iterate ``items`` (a sequence) with ``progress_range``'s progress display."""
+  items = list(items)
+  for i in progress_range(len(items), description, enabled=enabled):
+    yield items[i]

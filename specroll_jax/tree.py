@@ -257,3 +257,142 @@ def merge_chain(tree: Tree, tokens: Int[Array, "R C"], length: Int[Array, " R"],
     prev = jnp.where(use, slot, prev)
   return Tree(tokens=toks, depth=depth, parent=parent, valid=valid,
               mask=ancestor_mask(parent, valid, max_depth))
+
+
+# ---------------------------------------------------------------------------------------------
+# Candidates from any source, ranked by expected acceptance (one tree per row)
+
+
+@flax.struct.dataclass
+class Candidates:
+  """Candidate nodes of one or more sources, each given by its whole path (docs/design.md,
+  "One tree from every source").
+
+  Candidate m of row r is the path root -> paths[r, m, 0] -> ... -> paths[r, m, depth - 1]; its
+  score is the log of the estimated probability that the whole path is accepted (so a node scores
+  below its parent). depth 0 means "no candidate". ``bin`` names the estimate the score came from
+  (a source's calibration bin, for the acceptance statistics); -1 for none. A source's candidates
+  must be prefix-closed: every proper prefix of a candidate path is a candidate too (of this or
+  another source).
+  """
+
+  paths: Int[Array, "R M Dp"]
+  depth: Int[Array, "R M"]
+  score: Float[Array, "R M"]
+  bin: Int[Array, "R M"]
+
+  @property
+  def size(self) -> int:
+    return self.paths.shape[1]
+
+
+def concat_candidates(*cands: Candidates) -> Candidates:
+  """One candidate list from several sources (path widths padded to the widest)."""
+  dp = max(c.paths.shape[2] for c in cands)
+  pad = lambda p: jnp.pad(p, ((0, 0), (0, 0), (0, dp - p.shape[2])), constant_values=-1)
+  return Candidates(paths=jnp.concatenate([pad(c.paths) for c in cands], axis=1),
+                    depth=jnp.concatenate([c.depth for c in cands], axis=1),
+                    score=jnp.concatenate([c.score for c in cands], axis=1),
+                    bin=jnp.concatenate([c.bin for c in cands], axis=1))
+
+
+@flax.struct.dataclass
+class Selection:
+  """What ``select`` chose besides the tree."""
+
+  bin: Int[Array, "R N1"]  # calibration bin of each node (-1: root / invalid)
+  prob: Float[Array, "R N1"]  # estimated probability that the node is accepted (root 1)
+  expected: Float[Array, "R Nc"]  # expected accepted nodes with the best n candidates, n = 0..Nc-1
+
+
+def select(root: Int[Array, " R"], cands: Candidates, budget: Int[Array, " R"], *,
+           num_nodes: int, max_depth: int, ranks: int = 0) -> tuple[Tree, Selection]:
+  """Each row's tree: its ``num_nodes`` (static) best distinct candidate paths by score, the first
+  ``budget[r]`` of them valid.
+
+  Duplicates (the same path from several sources, or twice from one) are merged into one node
+  that keeps the highest score and its bin. Scores are made strictly decreasing along every path
+  (a node never outranks its parent), so the best n nodes are prefix-closed for every n and the
+  nodes come in priority order (parents first). ``ranks`` > 0 also returns, in
+  ``Selection.expected``, the expected number of accepted nodes when a row takes its best
+  n = 0..ranks - 1 candidates (the sum of their estimated path probabilities): what the goodput
+  rule weighs against the cost of a bigger tree.
+  """
+  r, m, dp = cands.paths.shape
+  if max_depth < 1:
+    raise ValueError(f"max_depth must be >= 1, got {max_depth}")
+  depth = jnp.where(jnp.isfinite(cands.score), jnp.clip(cands.depth, 0, min(dp, max_depth)), 0)
+  live = depth >= 1
+  # pe[r, i, j]: length of the common prefix of the paths of i and j
+  eq = cands.paths[:, :, None, :] == cands.paths[:, None, :, :]  # [R, M, M, Dp]
+  pe = jnp.cumprod(eq, axis=-1).sum(-1)
+  same = live[:, :, None] & live[:, None, :] & (depth[:, :, None] == depth[:, None, :]) & (
+      pe >= depth[:, :, None])
+  idx = jnp.arange(m)
+  si, sj = cands.score[:, :, None], cands.score[:, None, :]
+  dominated = same & ((sj > si) | ((sj == si) & (idx[None, None, :] < idx[None, :, None])))
+  keep = live & ~dominated.any(-1)
+  # parent: the kept candidate one shorter on the same path (the root for depth 1)
+  is_parent = (keep[:, None, :] & (depth[:, None, :] == depth[:, :, None] - 1)
+               & (pe >= depth[:, :, None] - 1))
+  parent = jnp.where(depth == 1, -1, jnp.argmax(is_parent, axis=-1)).astype(jnp.int32)
+  keep = keep & (is_parent.any(-1) | (depth == 1))
+  for _ in range(max_depth - 1):  # a node whose ancestor is missing goes too (not prefix-closed)
+    keep = keep & ((depth == 1) | jnp.take_along_axis(keep, jnp.maximum(parent, 0), axis=1))
+  # strictly decreasing scores along paths, parents first
+  score = jnp.where(keep, cands.score, -jnp.inf)
+  for _ in range(max_depth - 1):
+    up = jnp.take_along_axis(score, jnp.maximum(parent, 0), axis=1)
+    score = jnp.where(keep & (parent >= 0), jnp.minimum(score, up - _MIN_STEP), score)
+  k = min(num_nodes, m)
+  top, sel = jax.lax.top_k(score, max(k, 1))
+  top, sel = top[:, :k], sel[:, :k].astype(jnp.int32)
+  ok = jnp.isfinite(top) & (jnp.arange(k)[None] < budget[:, None])
+  # node index of each selected candidate's parent (0 = root)
+  pos = jnp.zeros((r, m), jnp.int32).at[jnp.arange(r)[:, None], sel].set(
+      jnp.arange(1, k + 1, dtype=jnp.int32)[None])
+  par_c = jnp.take_along_axis(parent, sel, axis=1)
+  par = jnp.where(par_c >= 0, jnp.take_along_axis(pos, jnp.maximum(par_c, 0), axis=1), 0)
+  d_sel = jnp.take_along_axis(depth, sel, axis=1)
+  path_sel = jnp.take_along_axis(cands.paths, sel[:, :, None], axis=1)  # [R, k, Dp]
+  tok = jnp.take_along_axis(path_sel, jnp.maximum(d_sel - 1, 0)[:, :, None], axis=2)[..., 0]
+  pad = num_nodes - k
+  padc = lambda a, v: jnp.pad(a, ((0, 0), (0, pad)), constant_values=v)
+  one = jnp.ones((r, 1), bool)
+  valid = jnp.concatenate([one, padc(ok, False)], axis=1)
+  tokens = jnp.concatenate([root[:, None].astype(jnp.int32),
+                            padc(jnp.where(ok, tok, 0).astype(jnp.int32), 0)], axis=1)
+  depth_n = jnp.concatenate([jnp.zeros((r, 1), jnp.int32), padc(jnp.where(ok, d_sel, 0), 0)],
+                            axis=1)
+  parent_n = jnp.concatenate([jnp.full((r, 1), -1, jnp.int32),
+                              padc(jnp.where(ok, par, 0).astype(jnp.int32), 0)], axis=1)
+  tree = Tree(tokens=tokens, depth=depth_n, parent=parent_n, valid=valid,
+              mask=ancestor_mask(parent_n, valid, max_depth))
+  bins = jnp.concatenate([jnp.full((r, 1), -1, jnp.int32),
+                          padc(jnp.where(ok, jnp.take_along_axis(cands.bin, sel, axis=1), -1), -1)],
+                         axis=1)
+  prob = jnp.concatenate([jnp.ones((r, 1)), padc(jnp.where(ok, jnp.exp(top), 0.0), 0.0)], axis=1)
+  expected = jnp.zeros((r, 0))
+  if ranks > 0:
+    kk = min(ranks - 1, m)
+    best = jax.lax.top_k(score, max(kk, 1))[0][:, :kk]
+    cum = jnp.cumsum(jnp.where(jnp.isfinite(best), jnp.exp(best), 0.0), axis=1)
+    cum = jnp.concatenate([jnp.zeros((r, 1)), cum], axis=1)
+    if ranks - 1 > kk:  # fewer candidates than ranks: the sum stays at its last value
+      cum = jnp.concatenate([cum, jnp.repeat(cum[:, -1:], ranks - 1 - kk, axis=1)], axis=1)
+    expected = cum
+  return tree, Selection(bin=bins, prob=prob, expected=expected)
+
+
+def node_outcomes(tree: Tree, accepted: Bool[Array, "R N1"], bins: Int[Array, "R N1"],
+                  num_bins: int, active: Bool[Array, " R"]):
+  """Per calibration bin: (tested [num_bins], hit [num_bins]) over this step's valid non-root
+  nodes whose parent was accepted (so the node's own token was tested against the target's
+  sample), hit = the node was accepted. What an acceptance estimate is calibrated from."""
+  par_acc = jnp.take_along_axis(accepted, jnp.maximum(tree.parent, 0), axis=1)
+  tested = tree.valid & (jnp.arange(tree.tokens.shape[1])[None] > 0) & par_acc & (bins >= 0) & (
+      active[:, None])
+  hit = tested & accepted
+  b = jnp.clip(bins, 0, num_bins - 1).reshape(-1)
+  count = lambda w: jax.ops.segment_sum(w.reshape(-1).astype(jnp.int32), b, num_segments=num_bins)
+  return count(tested), count(hit)

@@ -49,7 +49,7 @@ class RowsInit:
   prompt_tokens: Int[Array, "R P"]  # right-padded prompts
   prompt_lengths: Int[Array, " R"]
   sample_ids: Int[Array, " R"]  # global response ids (noise coordinates)
-  row: Int[Array, " R"]  # global row index in the batch
+  row: Int[Array, " R"]  # row index in the batch the engine was called with
   first_token: Int[Array, " R"]  # the first response token (the first root)
   hidden: Float[Array, "R D"]  # pre-norm hidden at the last prompt token (the first root's anchor)
 
@@ -64,8 +64,14 @@ class ProposeInput:
   history: Int[Array, "R C"]  # token at each position 0..C-1 (prompt + response); [r, L] = root;
   #                              -1 where not known yet
   budget: Int[Array, " R"]  # nodes (root excluded) this row may use; 0 for finished rows
-  row: Int[Array, " R"]  # global row index
+  row: Int[Array, " R"]  # the slot's row in the batch the engine was called with (under
+  #                        shard_map: this shard's batch); never the slot, which compaction moves
   sample_ids: Int[Array, " R"]
+  # The whole batch so far, by row (not compacted: finished rows included), for proposers that
+  # read other rows' text (e.g. a row's GRPO siblings): responses[b, j] is row b's response token
+  # j, valid for j < response_lengths[b].
+  responses: Int[Array, "B M"] | None = None
+  response_lengths: Int[Array, " B"] | None = None
 
 
 @flax.struct.dataclass
@@ -123,6 +129,11 @@ class Proposer:
 
   def validate(self, config: ModelConfig, params: PyTree) -> None:
     """Raise ValueError when ``params`` do not fit the model (before tracing)."""
+
+  def validate_batch(self, config: ModelConfig, params: PyTree, prompt_tokens, prompt_lengths,
+                     sample_ids) -> None:
+    """Raise ValueError when ``params`` do not fit this batch (host numpy arrays, before
+    tracing; e.g. per-row parameters of the wrong length)."""
 
   def init(self, target: Target, params: PyTree, rows: RowsInit) -> PyTree:
     """State for a new batch; () when the proposer has none. By default every leaf is per row

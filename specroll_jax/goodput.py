@@ -1,0 +1,191 @@
+"""Node budgets chosen by measured goodput (docs/design.md, "Budgets by measured goodput"; the
+SmartSpec rule: maximise expected committed tokens per second).
+
+Two measured facts decide how many nodes a bucket verifies:
+
+* cost: the seconds of one engine step for a bucket of R rows with n nodes per row, on this
+  machine, model and proposer (the verify forward, the proposal and the bookkeeping), measured once
+  (``measure_cost``, cached on disk keyed by everything the timing depends on) into a
+  ``CostModel``. On a CPU a verify forward is compute-bound and the cost grows with R x (n + 1);
+  on a GPU it is flat up to the ridge point, so the same rule grows trees there.
+* acceptance: the expected accepted nodes per row-step with the best n candidates, from the
+  calibrated estimates of a ranked proposer (``proposers.ranked.TreeStats.expected``), carried
+  from the previous batches.
+
+``choose`` gives every bucket the n in the compiled set that maximises (1 + E[accepted | n]) /
+cost(R, n); where no tree pays, n = 0 (the plain decode step). Shapes stay static: the choice is a
+``SpecConfig(nodes=...)`` made on the host per batch; each distinct choice compiles once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specroll_jax import buckets as _buckets
+from specroll_jax.config import DecodeSettings, SpecConfig
+
+DEFAULT_NODE_COUNTS = (0, 1, 2, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+  """Seconds of one engine step per (bucket rows, nodes per row) on one machine.
+
+  rows: measured bucket row counts (descending). node_counts: measured n (0 first).
+  seconds[i][j]: one step of a ``rows[i]``-row bucket with ``node_counts[j]`` nodes per row.
+  """
+
+  rows: tuple[int, ...]
+  node_counts: tuple[int, ...]
+  seconds: tuple[tuple[float, ...], ...]
+  machine: str = ""
+
+  def __post_init__(self):
+    rows, nodes = tuple(int(r) for r in self.rows), tuple(int(n) for n in self.node_counts)
+    if not rows or any(r < 1 for r in rows) or list(rows) != sorted(set(rows))[::-1]:
+      raise ValueError(f"CostModel.rows must be distinct ints >= 1, descending, got {self.rows}")
+    if not nodes or nodes[0] != 0 or list(nodes) != sorted(set(nodes)):
+      raise ValueError(f"CostModel.node_counts must start at 0 and ascend, got {self.node_counts}")
+    sec = np.asarray(self.seconds, np.float64)
+    if sec.shape != (len(rows), len(nodes)):
+      raise ValueError(f"CostModel.seconds has shape {sec.shape}, expected ({len(rows)}, "
+                       f"{len(nodes)}) (rows x node_counts)")
+    if not (np.isfinite(sec).all() and (sec > 0).all()):
+      raise ValueError("CostModel.seconds must be finite and > 0")
+    object.__setattr__(self, "rows", rows)
+    object.__setattr__(self, "node_counts", nodes)
+    object.__setattr__(self, "seconds", tuple(tuple(float(x) for x in r) for r in sec))
+
+  def cost(self, rows: int, n: int) -> float:
+    """Seconds of a step with ``rows`` rows and ``n`` nodes per row (n measured; rows linearly
+    interpolated between measured row counts, extrapolated in proportion beyond them)."""
+    if n not in self.node_counts:
+      raise ValueError(f"n={n} was not measured (node_counts {self.node_counts})")
+    j = self.node_counts.index(n)
+    rs = np.asarray(self.rows[::-1], np.float64)
+    col = np.asarray([r[j] for r in self.seconds[::-1]], np.float64)
+    if rows <= rs[0]:
+      return float(col[0] * rows / rs[0]) if len(rs) == 1 else float(
+          max(col[0] + (rows - rs[0]) * (col[1] - col[0]) / (rs[1] - rs[0]), col[0] * 0.5))
+    if rows >= rs[-1]:
+      return float(col[-1] * rows / rs[-1])
+    return float(np.interp(rows, rs, col))
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+  @classmethod
+  def from_json(cls, text: str) -> CostModel:
+    d = json.loads(text)
+    return cls(rows=tuple(d["rows"]), node_counts=tuple(d["node_counts"]),
+               seconds=tuple(tuple(r) for r in d["seconds"]), machine=d.get("machine", ""))
+
+
+def choose(cost: CostModel, expected, batch: int, spec: SpecConfig, *, capacity: int,
+           margin: float = 0.03) -> tuple[SpecConfig, list[dict]]:
+  """The ``SpecConfig`` whose ``nodes`` give each bucket of a ``batch``-row batch the measured
+  node count n (<= capacity) with the most expected tokens per second, and the reasoning per
+  bucket (rows, chosen n, tokens/s of every candidate).
+
+  expected[n]: expected accepted nodes per row-step with the best n candidates (n = 0..; e.g.
+  ``TreeStats.expected_per_row_step()``); an n beyond its length is not considered. A tree must
+  beat the plain step by ``margin`` (relative) to be chosen.
+  """
+  e = np.asarray(expected, np.float64)
+  if e.ndim != 1 or e.size < 1:
+    raise ValueError(f"expected must be a 1-D array over n = 0.., got shape {e.shape}")
+  nodes, why = [], []
+  kept = dict((i, r) for r, i in _buckets.kept_buckets(batch, spec.bucket_fractions))
+  for i in range(len(spec.bucket_fractions)):
+    rows = kept.get(i)
+    if rows is None:
+      nodes.append(0)
+      continue
+    rate = {}
+    for n in cost.node_counts:
+      if n <= capacity and n < e.size:
+        rate[n] = (1.0 + e[n]) / cost.cost(rows, n)
+    best = max(rate, key=rate.get)
+    if best > 0 and rate[best] < rate[0] * (1 + margin):
+      best = 0
+    nodes.append(best)
+    why.append({"rows": rows, "nodes": best, "tokens_per_s": {int(k): v for k, v in rate.items()}})
+  return dataclasses.replace(spec, nodes=tuple(nodes)), why
+
+
+def _cache_key(config, proposer, settings: DecodeSettings, rows, node_counts, prompt_width):
+  from specroll_jax import _machine
+  key = json.dumps([repr(config), repr(proposer), repr(settings), list(rows), list(node_counts),
+                    int(prompt_width), jax.__version__, jax.devices()[0].device_kind,
+                    _machine.cpu_model(), platform.machine()])
+  return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def measure_cost(config, params, proposer, proposer_params, prompts, *, settings: DecodeSettings,
+                 rows, node_counts=DEFAULT_NODE_COUNTS, steps: int = 8, repeats: int = 3,
+                 cache_dir: Path | str | None = None, progress: bool = True) -> CostModel:
+  """Time one engine step for every (rows, n) with this proposer (``prompts``: a padded [B, P]
+  array of representative prompts, reused cyclically to fill ``rows``), median of ``repeats``
+  timed loops of ``steps`` steps each, compile excluded. Cached as JSON in ``cache_dir``
+  (default ``<cache>/cost``) under a key of everything the timing depends on (model config,
+  proposer settings, decode settings, shapes, jax version, device and CPU model)."""
+  from specroll_jax import speculative as _spec
+  from specroll_jax.progress import progress_iter
+  from specroll_jax.sft import default_cache_dir
+  rows = tuple(sorted({int(r) for r in rows}, reverse=True))
+  node_counts = tuple(sorted({0, *(int(n) for n in node_counts)}))
+  prompts = np.asarray(prompts, np.int32)
+  key = _cache_key(config, proposer, settings, rows, node_counts, prompts.shape[1])
+  folder = Path(cache_dir) if cache_dir is not None else default_cache_dir() / "cost"
+  file = folder / f"cost-{key}.json"
+  if file.exists():
+    return CostModel.from_json(file.read_text())
+  lengths = np.maximum((prompts != 0).cumsum(1).argmax(1) + 1, 1).astype(np.int32)
+  eos = jnp.asarray([-1], jnp.int32)
+  seed = jnp.uint32(0)
+  table = np.zeros((len(rows), len(node_counts)))
+  grid = [(i, j) for i in range(len(rows)) for j in range(len(node_counts))]
+  for i, j in progress_iter(grid, "measure step cost", enabled=progress):
+    r, n = rows[i], node_counts[j]
+    sel = np.arange(r) % len(prompts)
+    spec = SpecConfig(bucket_fractions=(1.0,), nodes=(n,))
+    args = (jnp.asarray(prompts[sel]), jnp.asarray(lengths[sel]),
+            jnp.arange(r, dtype=jnp.int32), eos, seed)
+    state = _spec.init_state(config, params, proposer, proposer_params, *args, settings=settings,
+                             spec=spec)
+
+    @jax.jit
+    def loop(st, pp, n=n):
+      up = _spec._dec.unstack_layers(params)
+      body = lambda _, s: _spec.spec_step(config, up, proposer, pp, s, eos, seed,
+                                          settings=settings, num_nodes=n, bucket=0)
+      return jax.lax.fori_loop(0, steps, body, st)
+
+    jax.block_until_ready(loop(state, proposer_params))  # compile
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      jax.block_until_ready(loop(state, proposer_params))
+      times.append((time.perf_counter() - t0) / steps)
+    table[i, j] = float(np.median(times))
+  from specroll_jax import _machine
+  model = CostModel(rows=rows, node_counts=node_counts, seconds=tuple(map(tuple, table)),
+                    machine=_machine.cpu_model())
+  folder.mkdir(parents=True, exist_ok=True)
+  tmp = file.with_suffix(".tmp")
+  tmp.write_text(model.to_json())
+  os.replace(tmp, file)
+  return model
+
+
+__all__ = ["DEFAULT_NODE_COUNTS", "CostModel", "choose", "measure_cost"]

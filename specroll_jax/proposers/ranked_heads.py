@@ -1,0 +1,169 @@
+"""Future-token heads whose tree is ranked by calibrated acceptance, expanded depth by depth
+(docs/design.md, "Root-conditioned heads" and "One tree from every source").
+
+Works with both head families: root-conditioned heads (``cond_heads.CondHeads``: head k reads the
+root and the path above depth k) and Medusa heads (``heads.Heads``: head k reads the anchor only,
+so every partial path at depth k - 1 gets the same candidates). At depth 1 head 1 proposes its
+top ``topk[0]`` tokens under the root; at depth k the ``beams[k-1]`` best partial paths of depth
+k - 1 (by score) are extended by head k's top ``topk[k-1]`` tokens (one head evaluation per
+extended path; Medusa heads are evaluated once). A node's score is its parent's plus the log of
+its calibrated acceptance probability: the head's probability q of the token, mapped through a
+table by (depth, half-octave bin of q) that the caller calibrates from the engine's counts
+(``calibration.py``); within a bin the raw q breaks ties. The row's tree is the best of these
+paths (``tree.select``).
+
+``correct`` (Reflex): a hook that rewrites head k's output states before the unembedding.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from specroll_jax import cond_heads as _cond
+from specroll_jax import heads as _heads
+from specroll_jax import tree as _tree
+from specroll_jax.models import decoder as _dec
+from specroll_jax.proposers.ranked import RankedProposer, log_table
+
+_TIE = 1e-3  # weight of the raw log q inside a calibration bin (ties only)
+
+
+@flax.struct.dataclass
+class HeadsParams:
+  """Parameters of ``RankedHeads``: the heads and the calibrated acceptance table [K, Q] by
+  (depth, bin of q)."""
+
+  heads: _heads.Heads | _cond.CondHeads
+  acceptance: Float[Array, "K Q"]
+
+
+def q_bin(q, num_bins: int):
+  """Half-octave bin of probabilities q: 0 for (2^-1/2, 1], 1 for (1/2, 2^-1/2], ..."""
+  b = jnp.floor(-2.0 * jnp.log2(jnp.maximum(q, 1e-30)))
+  return jnp.clip(b, 0, num_bins - 1).astype(jnp.int32)
+
+
+def head_states_at(target, heads, k: int, h, ctx):
+  """Head k's output states [R, P, D] for P partial paths per row (ctx [R, P, k]: root and path
+  tokens). Medusa heads ignore the path."""
+  if isinstance(heads, _cond.CondHeads):
+    hb = jnp.broadcast_to(h[:, None], ctx.shape[:2] + h.shape[-1:])
+    return _cond.head_state(target.config, target.params, heads, k, hb, ctx)
+  sub = jax.tree.map(lambda a: a[k - 1:k], heads)
+  z = _heads.head_states(target.config, sub, h)[:, 0]  # [R, D]
+  return jnp.broadcast_to(z[:, None], ctx.shape[:2] + z.shape[-1:])
+
+
+@dataclasses.dataclass(frozen=True)
+class RankedHeads(RankedProposer):
+  """K heads; ``topk[k-1]`` candidates under each of the ``beams[k-1]`` best partial paths at depth
+  k - 1 (beams[0] = 1: the root). Parameters: ``HeadsParams`` (``RankedHeads.params(heads)``)."""
+
+  num_heads: int = 3
+  topk: tuple[int, ...] = (4, 3, 2)
+  beams: tuple[int, ...] = (1, 2, 2)
+  max_nodes: int = 16
+  q_bins: int = 12
+
+  def __post_init__(self):
+    k = self.num_heads
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+      raise ValueError(f"RankedHeads.num_heads must be an int >= 1, got {k!r}")
+    for name in ("topk", "beams"):
+      v = tuple(getattr(self, name))
+      if len(v) != k or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
+        raise ValueError(f"RankedHeads.{name} must hold num_heads={k} ints >= 1, got {v}")
+      object.__setattr__(self, name, v)
+    if self.beams[0] != 1:
+      raise ValueError(f"RankedHeads.beams[0] must be 1 (depth 1 extends the root), got "
+                       f"{self.beams}")
+    for name in ("max_nodes", "q_bins"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"RankedHeads.{name} must be an int >= 1, got {v!r}")
+
+  @property
+  def max_depth(self) -> int:
+    return self.num_heads
+
+  @property
+  def capacity(self) -> int:
+    return min(self.max_nodes, sum(b * t for b, t in zip(self.beams, self.topk, strict=True)))
+
+  @property
+  def num_bins(self) -> int:
+    return self.num_heads * self.q_bins
+
+  def default_acceptance(self) -> np.ndarray:
+    """The uncalibrated table: each bin's central q (the head's own estimate)."""
+    centre = 2.0 ** (-(np.arange(self.q_bins) + 0.5) / 2)
+    return np.broadcast_to(centre, (self.num_heads, self.q_bins)).astype(np.float32)
+
+  def params(self, heads, acceptance=None) -> HeadsParams:
+    acc = self.default_acceptance() if acceptance is None else acceptance
+    return HeadsParams(heads=heads, acceptance=jnp.asarray(acc, jnp.float32))
+
+  def validate(self, config, params) -> None:
+    if not isinstance(params, HeadsParams):
+      raise ValueError(f"RankedHeads params must be a HeadsParams (RankedHeads.params(heads)), got "
+                       f"{type(params).__name__}")
+    if isinstance(params.heads, _cond.CondHeads):
+      _cond.validate(config, params.heads, self.num_heads)
+    else:
+      _heads.validate(config, params.heads, self.num_heads)
+    shape = tuple(np.shape(params.acceptance))
+    if shape != (self.num_heads, self.q_bins):
+      raise ValueError(f"HeadsParams.acceptance has shape {shape}, expected "
+                       f"({self.num_heads}, {self.q_bins}) (heads x q bins)")
+
+  def expand(self, target, params: HeadsParams, h, root, *, num_nodes: int, correct=None):
+    """Candidates [R, M] from depth-by-depth expansion, and the trunk (best path) head states
+    [R, K', D] with their logits [R, K', V] (K' = heads used; for Reflex records)."""
+    r = root.shape[0]
+    kmax = min(self.num_heads, num_nodes)
+    table = params.acceptance.reshape(-1)
+    f_paths = jnp.zeros((r, 1, 0), jnp.int32)  # frontier: partial paths and their scores
+    f_score = jnp.zeros((r, 1), jnp.float32)
+    out_paths, out_depth, out_score, out_bin, trunk_z, trunk_logits = [], [], [], [], [], []
+    for k in range(1, kmax + 1):
+      p = f_paths.shape[1]
+      ctx = jnp.concatenate([jnp.broadcast_to(root[:, None, None], (r, p, 1)), f_paths], axis=2)
+      z = head_states_at(target, params.heads, k, h, ctx)  # [R, P, D]
+      if correct is not None:
+        z = correct(k, z)
+      logits = _dec.logits_from_hidden(target.config, target.params, z)  # [R, P, V]
+      trunk_z.append(z[:, 0])
+      trunk_logits.append(logits[:, 0])
+      kk = min(self.topk[k - 1], num_nodes)
+      lq, tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), kk)  # [R, P, kk]
+      bins = (k - 1) * self.q_bins + q_bin(jnp.exp(lq), self.q_bins)
+      score = f_score[..., None] + log_table(table, bins) + _TIE * lq
+      paths = jnp.concatenate([jnp.broadcast_to(f_paths[:, :, None], (r, p, kk, k - 1)),
+                               tok[..., None]], axis=3).reshape(r, p * kk, k)
+      score, bins = score.reshape(r, p * kk), bins.reshape(r, p * kk)
+      out_paths.append(jnp.pad(paths, ((0, 0), (0, 0), (0, self.num_heads - k)),
+                               constant_values=-1))
+      out_depth.append(jnp.full((r, p * kk), k, jnp.int32))
+      out_score.append(score)
+      out_bin.append(bins)
+      if k < kmax:
+        nb = min(self.beams[k], p * kk)
+        f_score, keep = jax.lax.top_k(score, nb)
+        f_paths = jnp.take_along_axis(paths, keep[:, :, None], axis=1)
+    cands = _tree.Candidates(paths=jnp.concatenate(out_paths, 1),
+                             depth=jnp.concatenate(out_depth, 1),
+                             score=jnp.concatenate(out_score, 1), bin=jnp.concatenate(out_bin, 1))
+    return cands, jnp.stack(trunk_z, 1), jnp.stack(trunk_logits, 1)
+
+  def candidates(self, target, params, shared, inp, *, num_nodes: int):
+    cands, _, _ = self.expand(target, params, inp.hidden, inp.root, num_nodes=num_nodes)
+    return cands, jnp.zeros((inp.root.shape[0], 3), bool)
+
+
+__all__ = ["HeadsParams", "RankedHeads", "head_states_at", "q_bin"]
