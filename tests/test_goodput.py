@@ -1,0 +1,102 @@
+"""Goodput budgets: the cost model's checks and interpolation; where trees cannot pay no node is
+verified, where the cost is flat and proposals are confident trees grow; a measured cost model is
+cached; per-bucket node counts run exactly; calibration counts."""
+
+import jax
+import numpy as np
+import pytest
+
+from specroll_jax import calibration, goodput, rollout
+from specroll_jax.config import DecodeSettings
+from specroll_jax.kernels import Kernels
+from specroll_jax.proposers.group_lookup import GroupLookup
+from specroll_jax.rollout import SamplingConfig, SpecConfig
+
+SPEC = SpecConfig(bucket_fractions=(1.0, 0.5, 0.25))
+
+
+def _cost(per_node):
+  rows, nodes = (64, 32, 16), (0, 1, 2, 4)
+  sec = [[r * 1e-4 * (1 + per_node * n) for n in nodes] for r in rows]
+  return goodput.CostModel(rows=rows, node_counts=nodes, seconds=sec)
+
+
+def test_cost_model_checks_and_interpolates():
+  with pytest.raises(ValueError, match=r"seconds has shape \(2, 2\), expected \(2, 3\)"):
+    goodput.CostModel(rows=(8, 4), node_counts=(0, 1, 2), seconds=[[1, 2], [3, 4]])
+  with pytest.raises(ValueError, match="node_counts must start at 0"):
+    goodput.CostModel(rows=(8,), node_counts=(1, 2), seconds=[[1, 2]])
+  with pytest.raises(ValueError, match="rows must be distinct"):
+    goodput.CostModel(rows=(4, 8), node_counts=(0,), seconds=[[1], [1]])
+  c = _cost(0.5)
+  assert c.cost(64, 2) == pytest.approx(64e-4 * 2)
+  assert c.cost(48, 0) == pytest.approx(48e-4)  # interpolated
+  assert c.cost(128, 0) == pytest.approx(128e-4)  # in proportion beyond the largest
+  with pytest.raises(ValueError, match="n=3 was not measured"):
+    c.cost(64, 3)
+  assert goodput.CostModel.from_json(c.to_json()) == c
+
+
+def test_choose_verifies_nothing_where_trees_cannot_pay_and_grows_trees_where_they_do():
+  modest = np.array([0.0, 0.3, 0.45, 0.55, 0.6])
+  spec, why = goodput.choose(_cost(0.5), modest, 64, SPEC, capacity=8)
+  assert spec.nodes == (0, 0, 0) and all(w["nodes"] == 0 for w in why)
+  confident = np.array([0.0, 0.9, 1.7, 2.4, 3.0])
+  spec, _ = goodput.choose(_cost(0.0), confident, 64, SPEC, capacity=8)  # flat: GPU-like
+  assert spec.nodes == (4, 4, 4)
+  spec, _ = goodput.choose(_cost(0.0), confident, 64, SPEC, capacity=2)  # the proposer's cap
+  assert spec.nodes == (2, 2, 2)
+  spec, _ = goodput.choose(_cost(0.6), confident, 64, SPEC, capacity=8)  # (1 + e) / cost peaks
+  assert spec.nodes == (2, 2, 2)  # at n = 2: 1.19, 1.23, 1.18 for n = 1, 2, 4
+  with pytest.raises(ValueError, match="expected must be a 1-D array"):
+    goodput.choose(_cost(0.0), np.zeros((2, 2)), 64, SPEC, capacity=8)
+
+
+def test_spec_config_nodes_per_bucket():
+  with pytest.raises(ValueError, match="SpecConfig.nodes must hold one int >= 0 per bucket"):
+    SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(1,))
+  s = SpecConfig(bucket_fractions=(1.0, 0.5, 0.25), nodes=(0, 2, 9))
+  assert s.bucket_shapes(8, capacity=4) == [(8, 0), (4, 2), (2, 4)]
+  assert s.bucket_shapes(2, capacity=4) == [(2, 0), (1, 2)]  # repeated row counts dropped
+
+
+def test_zero_nodes_verify_nothing_and_measured_cost_is_cached(trained_model, gsm8k_prompts,
+                                                                tmp_path):
+  config, params, tok = trained_model
+  prompts = gsm8k_prompts[:8]
+  kw = dict(sampling=SamplingConfig(temperature=1.0), max_new_tokens=24, seed=1,
+            eos_ids=tok.eos_ids)
+  ref = rollout.generate(config, params, prompts, **kw)
+  gl = GroupLookup()
+  got = rollout.generate(config, params, prompts, spec=SpecConfig(bucket_fractions=(1.0, 0.5),
+                                                                  nodes=(0, 0)),
+                         proposer=gl, proposer_params=gl.context(), **kw)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+  assert int(got.stats.spec.nodes_verified) == 0
+  pb = rollout.prepare_batch(config, prompts, max_new_tokens=24)
+  settings = DecodeSettings(sampling=kw["sampling"], max_new_tokens=24,
+                            cache_length=pb.cache_length, kernels=Kernels.resolve("reference"))
+  args = dict(settings=settings, rows=(4, 2), node_counts=(0, 2), steps=2, repeats=1,
+              cache_dir=tmp_path, progress=False)
+  cost = goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, **args)
+  assert cost.rows == (4, 2) and cost.node_counts == (0, 2)
+  assert all(s > 0 for r in cost.seconds for s in r)
+  assert len(list(tmp_path.glob("cost-*.json"))) == 1
+  assert goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, **args) == cost
+
+
+def test_calibration_counts_and_checks():
+  cal = calibration.init(np.array([0.5, 0.1]), strength=2.0, decay=0.5)
+  np.testing.assert_allclose(cal.table(), [0.5, 0.1])
+  cal = cal.update((np.array([10, 0]), np.array([9, 0])))
+  np.testing.assert_allclose(cal.table(), [(9 + 1) / 12, 0.1], rtol=1e-6)
+  cal = cal.update((np.array([0, 0]), np.array([0, 0])))  # older counts decay
+  np.testing.assert_allclose(cal.table(), [(4.5 + 1) / 7, 0.1], rtol=1e-6)
+  with pytest.raises(ValueError, match="Calibration has 2 bins"):
+    cal.update((np.zeros(3), np.zeros(3)))
+  with pytest.raises(ValueError, match="hit counts must lie in"):
+    cal.update((np.array([1, 1]), np.array([2, 0])))
+  with pytest.raises(ValueError, match="prior must be probabilities"):
+    calibration.init(np.array([1.5]))
+  leaves = jax.tree.leaves(cal)
+  assert len(leaves) == 3  # a pytree of arrays (orbax-checkpointable)
