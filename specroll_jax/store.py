@@ -89,8 +89,8 @@ class ResponseStore:
     padded. ``vocab_size`` (the model's) must be the store's; every prompt must match its stored
     fingerprint."""
     if int(vocab_size) != self.vocab_size:
-      raise ValueError(f"ResponseStore holds ids of a {self.vocab_size}-token vocabulary; the model "
-                       f"has vocab_size={vocab_size}")
+      raise ValueError(f"ResponseStore holds ids of a {self.vocab_size}-token vocabulary; the "
+                       f"model has vocab_size={vocab_size}")
     pids = np.asarray(prompt_ids)
     if len(prompts) != len(pids):
       raise ValueError(f"ResponseStore.context: {len(pids)} prompt ids but {len(prompts)} prompts")

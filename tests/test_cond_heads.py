@@ -120,6 +120,7 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
     st = got.stats.spec.proposer
-    assert int(np.asarray(st.tested).sum()) > 0 and (np.asarray(st.hit) <= np.asarray(st.tested)).all()
+    tested, hit = np.asarray(st.tested), np.asarray(st.hit)
+    assert tested.sum() > 0 and (hit <= tested).all()
     e = st.expected_per_row_step()
     assert e[0] == 0 and (np.diff(e) >= -1e-6).all()  # more nodes: more expected acceptance
