@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Int
 
+from specroll_jax import head_kinds
 from specroll_jax import reflex as _reflex
 from specroll_jax import slow_path as _slow
-from specroll_jax.heads import Heads
 from specroll_jax.proposers import HeadsProposer, Proposer
 from specroll_jax.reflex import ReflexConfig, ReflexGlobal, ReflexProposer
 from specroll_jax.sampling import SamplingConfig
@@ -67,19 +67,23 @@ class AdaptationConfig:
 
 @flax.struct.dataclass
 class AdaptationState:
-  heads: Heads
+  heads: object  # heads.Heads or cond_heads.CondHeads
   reflex: ReflexGlobal
   slow: SlowPathState
   batches: Int[Array, ""]
   config: AdaptationConfig = flax.struct.field(pytree_node=False, default=AdaptationConfig())
 
 
-def init(config: AdaptationConfig, heads: Heads) -> AdaptationState:
+def init(config: AdaptationConfig, heads) -> AdaptationState:
   """A fresh adaptation state around ``heads`` (fitted or initial)."""
   if not isinstance(config, AdaptationConfig):
     raise ValueError(f"config must be an AdaptationConfig, got {type(config).__name__}")
-  if not isinstance(heads, Heads):
-    raise ValueError(f"heads must be a specroll_jax.heads.Heads, got {type(heads).__name__}")
+  if not isinstance(heads, head_kinds.KINDS):
+    raise ValueError(f"heads must be heads.Heads or cond_heads.CondHeads, got "
+                     f"{type(heads).__name__}")
+  if head_kinds.is_conditioned(heads) != config.reflex.conditioned:  # follow the heads' family
+    config = dataclasses.replace(config, reflex=dataclasses.replace(
+        config.reflex, conditioned=head_kinds.is_conditioned(heads)))
   if heads.num_heads != config.reflex.num_heads:
     raise ValueError(f"heads has {heads.num_heads} heads but ReflexConfig.num_heads is "
                      f"{config.reflex.num_heads}")
@@ -94,6 +98,9 @@ def proposer(state: AdaptationState) -> tuple[Proposer, object]:
   """(proposer, its parameters) for the next rollout batch."""
   cfg = state.config
   if cfg.static_heads:
+    if cfg.reflex.conditioned:
+      rh = ReflexProposer(cfg.reflex).ranked
+      return rh, rh.params(state.heads)
     return HeadsProposer(num_heads=cfg.reflex.num_heads, topk=cfg.reflex.topk), state.heads
   return ReflexProposer(cfg.reflex), (state.heads, state.reflex)
 

@@ -34,6 +34,9 @@ class Records:
   position: Int[Array, "K C"]  # the target position the record is about
   valid: Bool[Array, "K C"]
   count: Int[Array, " K"]  # records ever written per head (ring index = count % C)
+  # the tokens head k read besides the anchor (root-conditioned heads: the root and the path
+  # above depth k; -1 = unused); None for Medusa heads, which read the anchor only
+  path: Int[Array, "K C Kp"] | None = None
 
   @property
   def capacity(self) -> int:
@@ -45,19 +48,21 @@ class Records:
 
 
 FIELDS = ("hidden", "correction", "support", "p", "p_tail", "token", "candidates", "hit", "tv",
-          "position")
+          "position", "path")
 
 
 def empty(num_heads: int, capacity: int, hidden_size: int, support: int,
-          num_candidates: int) -> Records:
-  """An empty buffer of ``capacity`` records per head."""
+          num_candidates: int, path: int = 0) -> Records:
+  """An empty buffer of ``capacity`` records per head; ``path`` > 0: with a path of that many
+  tokens per record (root-conditioned heads)."""
   k, c = num_heads, capacity
   f = lambda *s: jnp.zeros((k, c) + s, jnp.float32)
   i = lambda *s: jnp.full((k, c) + s, -1, jnp.int32)
   return Records(hidden=f(hidden_size), correction=f(hidden_size), support=i(support), p=f(support),
                  p_tail=f(), token=i(), candidates=i(num_candidates),
                  hit=jnp.zeros((k, c), bool), tv=f(), position=i(),
-                 valid=jnp.zeros((k, c), bool), count=jnp.zeros((k,), jnp.int32))
+                 valid=jnp.zeros((k, c), bool), count=jnp.zeros((k,), jnp.int32),
+                 path=i(path) if path else None)
 
 
 def write(buf: Records, new: Records, mask: Bool[Array, "K N"]) -> Records:
@@ -75,7 +80,7 @@ def write(buf: Records, new: Records, mask: Bool[Array, "K N"]) -> Records:
   def put(b, x):
     return b.at[kk, slot].set(x.astype(b.dtype), mode="drop")
 
-  fields = {f: put(getattr(buf, f), getattr(new, f)) for f in FIELDS}
+  fields = {f: put(getattr(buf, f), getattr(new, f)) for f in FIELDS if getattr(buf, f) is not None}
   valid = buf.valid.at[kk, slot].set(True, mode="drop")
   return buf.replace(**fields, valid=valid, count=buf.count + n_new)
 
@@ -87,5 +92,6 @@ def merge(reservoir: Records, batch: Records) -> Records:
   start = jnp.where(batch.count > c, batch.count % c, 0)
   order = (start[:, None] + jnp.arange(c)[None]) % c  # [K, C]
   take = lambda x: jnp.take_along_axis(x, order.reshape(order.shape + (1,) * (x.ndim - 2)), axis=1)
-  ordered = batch.replace(**{f: take(getattr(batch, f)) for f in FIELDS + ("valid",)})
+  ordered = batch.replace(**{f: take(getattr(batch, f)) for f in FIELDS + ("valid",)
+                             if getattr(batch, f) is not None})
   return write(reservoir, ordered, ordered.valid)

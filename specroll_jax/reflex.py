@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from specroll_jax import head_kinds
 from specroll_jax import heads as _heads
 from specroll_jax import records as _records
 from specroll_jax import tree as _tree
@@ -37,6 +38,7 @@ from specroll_jax.config import DEFAULT_TOPK
 from specroll_jax.models import decoder as _dec
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.heads import effective_topk
+from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.sampling import inverse_temperature
 
 _TINY = 1e-12
@@ -83,6 +85,11 @@ class ReflexConfig:
   share_group: int = 0  # G > 0: rows r // G share one fast state (a GRPO group); 0: per row
   record_capacity: int = 512  # matured records kept per head per rollout for the slow path
   apply_corrections: bool = True  # False: records and statistics only (the heads stay static)
+  # root-conditioned heads (cond_heads.CondHeads): the tree expands depth by depth from the
+  # beams[k-1] best partial paths (proposers.RankedHeads), at most max_nodes nodes
+  conditioned: bool = False
+  beams: tuple[int, ...] = (1, 2, 2)
+  max_nodes: int = 16
 
   def __post_init__(self):
     k = self.num_heads
@@ -90,7 +97,7 @@ class ReflexConfig:
       raise ValueError(f"ReflexConfig.num_heads must be an int >= 1, got {k!r}")
     if len(tuple(self.topk)) != k or any(not isinstance(t, int) or t < 1 for t in self.topk):
       raise ValueError(f"ReflexConfig.topk must hold num_heads={k} ints >= 1, got {self.topk}")
-    for name in ("topk", "r_min", "r_max", "rho", "min_obs", "min_severity"):
+    for name in ("topk", "r_min", "r_max", "rho", "min_obs", "min_severity", "beams"):
       v = tuple(getattr(self, name))
       if not v:
         raise ValueError(f"ReflexConfig.{name} must not be empty")
@@ -108,6 +115,13 @@ class ReflexConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise ValueError(f"ReflexConfig.{name} must be an int >= 0, got {v!r}")
+    if not isinstance(self.conditioned, bool):
+      raise ValueError(f"ReflexConfig.conditioned must be a bool, got {self.conditioned!r}")
+    if self.beams[0] != 1 or any(not isinstance(b, int) or b < 1 for b in self.beams):
+      raise ValueError(f"ReflexConfig.beams must be ints >= 1 starting at 1, got {self.beams}")
+    if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or \
+        self.max_nodes < 1:
+      raise ValueError(f"ReflexConfig.max_nodes must be an int >= 1, got {self.max_nodes!r}")
     if not isinstance(self.apply_corrections, bool):
       raise ValueError(f"ReflexConfig.apply_corrections must be a bool, got "
                        f"{self.apply_corrections!r}")
@@ -178,6 +192,7 @@ class Pending:
   sigma: Float[Array, "R K S P"]  # sketch of the fast state at proposal time
   has_sigma: Bool[Array, "R K S"]
   applied: Bool[Array, "R K S"]  # the correction was applied
+  path: Int[Array, "R K S K"]  # tokens the head read (root, path above it); -1: any (Medusa)
 
 
 @flax.struct.dataclass
@@ -399,7 +414,15 @@ class ReflexProposer(Proposer):
     return self.config.num_heads
 
   @property
+  def ranked(self) -> RankedHeads:
+    """The depth-by-depth expansion root-conditioned heads propose with."""
+    c = self.config
+    return RankedHeads(num_heads=c.num_heads, topk=c.topk, beams=c.beams, max_nodes=c.max_nodes)
+
+  @property
   def capacity(self) -> int:
+    if self.config.conditioned:
+      return self.ranked.capacity
     total, width = 0, 1
     for k in self.config.topk:
       width *= k
@@ -413,9 +436,13 @@ class ReflexProposer(Proposer):
   def validate(self, config, params) -> None:
     if not isinstance(params, tuple) or len(params) != 2 or \
         not isinstance(params[1], ReflexGlobal):
-      raise ValueError("ReflexProposer params must be (heads.Heads, reflex.ReflexGlobal), got "
+      raise ValueError("ReflexProposer params must be (heads, reflex.ReflexGlobal), got "
                        f"{type(params).__name__}")
-    _heads.validate(config, params[0], self.config.num_heads)
+    head_kinds.validate(config, params[0], self.config.num_heads)
+    if head_kinds.is_conditioned(params[0]) != self.config.conditioned:
+      raise ValueError(f"ReflexConfig.conditioned={self.config.conditioned} but the heads are "
+                       f"{type(params[0]).__name__} (root-conditioned heads need "
+                       "conditioned=True, Medusa heads False)")
     if params[1].safety.shape != (self.config.num_heads,):
       raise ValueError(f"ReflexGlobal.safety has shape {params[1].safety.shape}, expected "
                        f"({self.config.num_heads},)")
@@ -435,7 +462,8 @@ class ReflexProposer(Proposer):
     i = lambda *sh: jnp.full((r, k, s) + sh, -1, jnp.int32)
     pending = Pending(position=i(), hidden=f(d), head=f(d), correction=f(d), qtop=i(t), cand=i(c),
                       corr_top=i(c), raw_top=i(c), sigma=f(cfg.sketch_dim),
-                      has_sigma=jnp.zeros((r, k, s), bool), applied=jnp.zeros((r, k, s), bool))
+                      has_sigma=jnp.zeros((r, k, s), bool), applied=jnp.zeros((r, k, s), bool),
+                      path=i(k))
     zk = jnp.zeros((r, k), jnp.int32)
     share = cfg.share_group > 0
     row_state = ReflexRows(fast=None if share else _zeros_fast(r, k, d), pending=pending,
@@ -446,7 +474,8 @@ class ReflexProposer(Proposer):
     groups = -(-r // cfg.share_group) if share else 0
     recs = None
     if cfg.record_capacity > 0:
-      recs = _records.empty(k, cfg.record_capacity, d, cfg.support_size, c)
+      recs = _records.empty(k, cfg.record_capacity, d, cfg.support_size, c,
+                            path=k if cfg.conditioned else 0)
     shared = ReflexShared(batch_rows=jnp.int32(r),
                           group=_zeros_fast(groups, k, d) if share else None, records=recs)
     return row_state, shared
@@ -468,13 +497,18 @@ class ReflexProposer(Proposer):
     k = cfg.num_heads
     active = inp.budget > 0
     fast = self._view(rows, shared, inp.row)
-    z, zc, c, eligible, ratio, low = corrected_head_states(target, heads, glob, cfg, fast,
-                                                           inp.hidden)
-    eligible = eligible & active[:, None]
-    logits = _dec.logits_from_hidden(target.config, target.params, zc)  # [R, K, V]
-    topk = effective_topk(cfg.topk, num_nodes)
-    lp = jax.nn.log_softmax(logits[:, : len(topk)], axis=-1)
-    tr = _tree.plan(inp.root, lp, inp.budget, num_nodes=num_nodes, topk=topk)
+    if cfg.conditioned:
+      tr, z, zc, c, logits, ctx, eligible, ratio, low = self._propose_conditioned(
+          target, heads, glob, fast, inp, num_nodes, active)
+    else:
+      z, zc, c, eligible, ratio, low = corrected_head_states(target, heads, glob, cfg, fast,
+                                                             inp.hidden)
+      eligible = eligible & active[:, None]
+      logits = _dec.logits_from_hidden(target.config, target.params, zc)  # [R, K, V]
+      topk = effective_topk(cfg.topk, num_nodes)
+      lp = jax.nn.log_softmax(logits[:, : len(topk)], axis=-1)
+      tr = _tree.plan(inp.root, lp, inp.budget, num_nodes=num_nodes, topk=topk)
+      ctx = jnp.full(z.shape[:2] + (k,), -1, jnp.int32)
     # prediction records, on feedback rounds
     n_active = active.sum()
     stride = jnp.maximum(1, jnp.ceil(cfg.stride_rows * n_active / shared.batch_rows)).astype(
@@ -490,6 +524,10 @@ class ReflexProposer(Proposer):
         lambda: jnp.where(jj < kc, jax.lax.top_k(_dec.logits_from_hidden(
             target.config, target.params, z), cmax)[1], -1),
         lambda: corr_top)
+    if cfg.conditioned:  # heads the tree did not reach (num_nodes < K) record nothing
+      rnd_k = rnd[:, None] & (jnp.arange(k) < min(k, num_nodes))[None]
+    else:
+      rnd_k = jnp.broadcast_to(rnd[:, None], (rnd.shape[0], k))
     ks = jnp.arange(1, k + 1)
     at_depth = tr.valid[:, None, :] & (tr.depth[:, None, :] == ks[None, :, None])  # [R, K, N1]
     present = ((tr.tokens[:, None, None, :] == corr_top[..., None])
@@ -501,7 +539,7 @@ class ReflexProposer(Proposer):
     has_sigma = (rms_m > 0) & jnp.isfinite(rms_m)
     pos = inp.position[:, None] + ks[None]  # [R, K]: position head k predicts
     slot = pos % cfg.slots
-    sel = (jnp.arange(cfg.slots)[None, None] == slot[..., None]) & rnd[:, None, None]  # [R, K, S]
+    sel = (jnp.arange(cfg.slots)[None, None] == slot[..., None]) & rnd_k[..., None]  # [R, K, S]
     put = lambda old, new: jnp.where(sel.reshape(sel.shape + (1,) * (old.ndim - 3)),
                                      jnp.expand_dims(new, 2).astype(old.dtype), old)
     hid = jnp.broadcast_to(inp.hidden[:, None].astype(jnp.float32), z.shape)
@@ -511,7 +549,7 @@ class ReflexProposer(Proposer):
                    qtop=put(pend.qtop, qtop), cand=put(pend.cand, cand),
                    corr_top=put(pend.corr_top, corr_top), raw_top=put(pend.raw_top, raw_top),
                    sigma=put(pend.sigma, sigma), has_sigma=put(pend.has_sigma, has_sigma),
-                   applied=put(pend.applied, eligible))
+                   applied=put(pend.applied, eligible), path=put(pend.path, ctx))
     finite_low = jnp.isfinite(low) & active[:, None]
     rows = rows.replace(pending=pend, steps=rows.steps + active.astype(jnp.int32),
                         proposed=rows.proposed + active.astype(jnp.int32),
@@ -520,6 +558,36 @@ class ReflexProposer(Proposer):
                         lcb_sum=rows.lcb_sum + jnp.where(finite_low, low, 0.0),
                         lcb_n=rows.lcb_n + finite_low.astype(jnp.int32))
     return tr, (rows, shared)
+
+  def _propose_conditioned(self, target, heads, glob: ReflexGlobal, fast: FastState, inp,
+                           num_nodes: int, active):
+    """Root-conditioned heads: the ranked depth-by-depth tree with each head's evaluations
+    corrected, and the trunk (best path) evaluations padded to K heads for the records."""
+    cfg = self.config
+    k = cfg.num_heads
+    eligible, _, ratio, low = gate(cfg, fast, glob.safety)
+    eligible = eligible & active[:, None]
+    rms_m = jnp.maximum(_rms(fast.m), _TINY)  # [R, K]
+
+    def bounded(i, zz):  # head i's correction of states zz [R, P, D]
+      scale = ratio[:, i, None] * _rms(zz.astype(jnp.float32)) / rms_m[:, i, None]
+      return jnp.where(eligible[:, i, None, None], scale[..., None] * fast.m[:, None, i], 0.0)
+
+    def correct(kk, zz):
+      c = bounded(kk - 1, zz)
+      return jnp.where(eligible[:, kk - 1, None, None],
+                       (zz.astype(jnp.float32) + c).astype(zz.dtype), zz)
+
+    rh = self.ranked
+    cands, (z, zc, logits, ctx) = rh.expand(target, rh.params(heads), inp.hidden, inp.root,
+                                            num_nodes=num_nodes, correct=correct)
+    tr, _ = _tree.select(inp.root, cands, inp.budget, num_nodes=num_nodes, max_depth=k)
+    c = jnp.concatenate([bounded(i, z[:, i:i + 1]) for i in range(z.shape[1])], axis=1)
+    pad = lambda x, v=0: jnp.pad(x, ((0, 0), (0, k - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
+                                 constant_values=v)
+    used = jnp.arange(k) < z.shape[1]
+    return (tr, pad(z), pad(zc), pad(c), pad(logits), pad(ctx, -1), eligible & used[None],
+            ratio, low)
 
   def update(self, target, params, state, fb):
     cfg = self.config
@@ -531,7 +599,12 @@ class ReflexProposer(Proposer):
     j = pend.position - fb.position[:, None, None] - 1
     jc = jnp.clip(j, 0, d1 - 1)
     kept = jnp.take_along_axis(fb.keep, jc.reshape(r, -1), axis=1).reshape(jc.shape)
-    mature = (pend.position >= 0) & (j >= 0) & (j < fb.path_len[:, None, None]) & kept
+    due = (pend.position >= 0) & (j >= 0) & (j < fb.path_len[:, None, None]) & kept
+    # a root-conditioned head's prediction counts only if the path it read was committed
+    start = pend.position - jnp.arange(k)[None, :, None] - 1  # the root's position
+    at = (start[..., None] + jnp.arange(k)).reshape(r, -1)
+    seen = jnp.take_along_axis(fb.history, jnp.clip(at, 0, fb.history.shape[1] - 1), axis=1)
+    mature = due & ((pend.path < 0) | (seen.reshape(pend.path.shape) == pend.path)).all(-1)
     take_j = lambda x: jnp.take_along_axis(
         x, jc.reshape((r, -1) + (1,) * (x.ndim - 2)), axis=1).reshape(jc.shape + x.shape[2:])
     token = take_j(fb.tokens)
@@ -584,10 +657,11 @@ class ReflexProposer(Proposer):
           hidden=kflat(pend.hidden), correction=kflat(pend.correction), support=kflat(mt.support),
           p=kflat(mt.p), p_tail=kflat(mt.p_tail), token=kflat(token), candidates=kflat(pend.cand),
           hit=kflat(hit), tv=kflat(mt.tv), position=kflat(pend.position),
-          valid=kflat(ok), count=jnp.zeros((k,), jnp.int32))
+          valid=kflat(ok), count=jnp.zeros((k,), jnp.int32),
+          path=kflat(pend.path) if cfg.conditioned else None)
       shared = shared.replace(records=_records.write(shared.records, batch, kflat(ok)))
     # matured records leave the ring; a finished row drops its pending records
-    position = jnp.where(mature | fb.done[:, None, None], -1, pend.position)
+    position = jnp.where(due | fb.done[:, None, None], -1, pend.position)
     applied = ok & pend.applied
     per_head = lambda x: x.sum(axis=tuple(i for i in range(x.ndim) if i != 1))
     stats = {

@@ -37,6 +37,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
+from specroll_jax import head_kinds
 from specroll_jax import heads as heads_lib
 from specroll_jax import records as records_lib
 from specroll_jax.heads import Heads
@@ -271,7 +272,11 @@ def optimizer(cfg: SlowPathConfig) -> optax.GradientTransformation:
   """The per-head AdamW (applied to one head's parameters; ``init`` vmaps it over K). Gradients are
   clipped to global norm ``cfg.clip_norm`` per head before it (a stateless step kept out of the
   chain: orbax cannot save a state tree that starts with an empty node)."""
-  decay_mask = lambda p: p.replace(norm=False, w=True, b=True)
+  def decay_mask(p):  # decay the weight matrices and biases, not the norm scales
+    if head_kinds.is_conditioned(p):
+      return p.replace(norm_h=False, norm_e=False, w_h=True, w_e=True, b=True, w_o=True)
+    return p.replace(norm=False, w=True, b=True)
+
   return optax.adamw(cfg.learning_rate, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
                      weight_decay=cfg.weight_decay, mask=decay_mask)
 
@@ -296,8 +301,9 @@ def init(cfg: SlowPathConfig, heads: Heads, *, support_size: int,
   shapes), an uncalibrated monitor, a per-head AdamW state, zero counters."""
   if not isinstance(cfg, SlowPathConfig):
     raise ValueError(f"cfg must be a SlowPathConfig, got {type(cfg).__name__}")
-  if not isinstance(heads, Heads):
-    raise ValueError(f"heads must be a specroll_jax.heads.Heads, got {type(heads).__name__}")
+  if not isinstance(heads, head_kinds.KINDS):
+    raise ValueError(f"heads must be heads.Heads or cond_heads.CondHeads, got "
+                     f"{type(heads).__name__}")
   for name, v in (("support_size", support_size), ("num_candidates", num_candidates)):
     if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
       raise ValueError(f"{name} must be an int >= 1, got {v!r}")
@@ -309,7 +315,8 @@ def init(cfg: SlowPathConfig, heads: Heads, *, support_size: int,
         f"SlowPathConfig.reservoir_size={cfg.reservoir_size} gives {c} records per head for {k} "
         f"heads; holdout_fraction={cfg.holdout_fraction} needs at least {need} per head "
         f"(reservoir_size >= {need * k})")
-  reservoir = records_lib.empty(k, c, heads.hidden_size, int(support_size), int(num_candidates))
+  reservoir = records_lib.empty(k, c, heads.hidden_size, int(support_size), int(num_candidates),
+                                path=k if head_kinds.is_conditioned(heads) else 0)
   ints = jnp.zeros((k,), jnp.int32)
   return SlowPathState(reservoir=reservoir, monitor=monitor_init(cfg, k),
                        opt_state=jax.vmap(optimizer(cfg).init)(heads), tried=ints, kept=ints,
@@ -436,12 +443,17 @@ def _chunks(cfg: SlowPathConfig, capacity: int) -> tuple[np.ndarray, np.ndarray]
   return np.minimum(idx, capacity - 1), idx < capacity
 
 
-def _log_probs(cfg, model_config, params, heads: Heads, rec: Records):
+def _log_probs(cfg, model_config, params, heads, rec: Records):
   """Head log-probs on a chunk (leaves [K, c, ...]): on the support [K, c, S] (0 where unused),
-  of the tail bucket (everything off the support) [K, c], of the committed token [K, c]."""
-  one = lambda hd, h: heads_lib.head_states(
-      model_config, hd.replace(norm=hd.norm[None], w=hd.w[None], b=hd.b[None]), h)[..., 0, :]
-  z = jax.vmap(one)(heads, rec.hidden)  # [K, c, D]
+  of the tail bucket (everything off the support) [K, c], of the committed token [K, c].
+  Root-conditioned heads read each record's path (``rec.path``)."""
+  if head_kinds.is_conditioned(heads):
+    z = jnp.stack([head_kinds.output_states(model_config, params, heads, i, rec.hidden[i],
+                                            rec.path[i]) for i in range(heads.num_heads)])
+  else:
+    one = lambda hd, h: heads_lib.head_states(
+        model_config, hd.replace(norm=hd.norm[None], w=hd.w[None], b=hd.b[None]), h)[..., 0, :]
+    z = jax.vmap(one)(heads, rec.hidden)  # [K, c, D]
   if cfg.use_correction:
     z = z + rec.correction.astype(z.dtype)
   inv_t = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0
@@ -638,7 +650,7 @@ def _check_inputs(cfg, state, model_config, heads, batch, acceptance, rollout_se
     raise ValueError(f"cfg must be a SlowPathConfig, got {type(cfg).__name__}")
   if not isinstance(state, SlowPathState):
     raise ValueError(f"state must be a SlowPathState (slow_path.init), got {type(state).__name__}")
-  heads_lib.validate(model_config, heads, state.reservoir.num_heads)
+  head_kinds.validate(model_config, heads, state.reservoir.num_heads)
   if state.monitor.calib_tv.shape[0] != cfg.calibration_batches:
     raise ValueError(
         f"state was made for calibration_batches={state.monitor.calib_tv.shape[0]}, but "

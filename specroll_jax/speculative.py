@@ -180,7 +180,7 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
                   path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
                   position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
                   done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=topm_ids,
-                  topm_logprobs=topm_lp, lse=lse)
+                  topm_logprobs=topm_lp, lse=lse, history=history)
     pstate, pstats = proposer.update(target, proposer_params, pstate, fb)
   prow, pshared = proposer.split_state(pstate)
   slots = sl.replace(cache=cache, root=jnp.where(active, new_root, sl.root),

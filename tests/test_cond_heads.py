@@ -124,3 +124,30 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
     assert tested.sum() > 0 and (hit <= tested).all()
     e = st.expected_per_row_step()
     assert e[0] == 0 and (np.diff(e) >= -1e-6).all()  # more nodes: more expected acceptance
+
+
+def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_prompts, fitted):
+  from specroll_jax import adaptation
+  from specroll_jax.slow_path import SlowPathConfig
+  config, params, tok = trained_model
+  ch, _ = fitted
+  prompts = [p for p in gsm8k_prompts[:4] for _ in range(G)]
+  cfg = SamplingConfig(temperature=0.7, top_p=0.9)
+  kw = dict(sampling=cfg, max_new_tokens=40, seed=8, sample_ids=np.arange(16),
+            eos_ids=list(tok.eos_ids) + tok.encode(" number"))
+  ref = rollout.generate(config, params, prompts, **kw)
+  acfg = adaptation.AdaptationConfig(
+      slow=SlowPathConfig.for_tests(mode="every_batch", learning_rate=1e-3)).for_sampling(cfg)
+  state = adaptation.init(acfg, ch)
+  assert state.config.reflex.conditioned  # follows the heads' family
+  spec = SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(4, 4))
+  for _ in range(2):
+    got = rollout.generate(config, params, prompts, spec=spec, adaptation=state, **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
+    rep = got.adaptation_report
+    assert rep["reflex"]["records_matured"][0] > 0
+    assert rep["slow"]["decision"] == "every_batch"
+    state = got.adaptation
+  assert state.slow.reservoir.path is not None and bool(state.slow.reservoir.valid.any())
+  assert int(np.asarray(state.slow.tried).sum()) > 0

@@ -104,6 +104,7 @@ class Feedback:
   topm_ids: Int[Array, "R D1 M"] | None = None
   topm_logprobs: Float[Array, "R D1 M"] | None = None
   lse: Float[Array, "R D1"] | None = None
+  history: Int[Array, "R C"] | None = None  # the row's tokens by position after this commit
 
 
 @dataclasses.dataclass(frozen=True)

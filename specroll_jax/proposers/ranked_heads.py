@@ -123,23 +123,28 @@ class RankedHeads(RankedProposer):
                        f"({self.num_heads}, {self.q_bins}) (heads x q bins)")
 
   def expand(self, target, params: HeadsParams, h, root, *, num_nodes: int, correct=None):
-    """Candidates [R, M] from depth-by-depth expansion, and the trunk (best path) head states
-    [R, K', D] with their logits [R, K', V] (K' = heads used; for Reflex records)."""
+    """Candidates [R, M] from depth-by-depth expansion, and the trunk: along the best path, each
+    used head's raw and corrected output states [R, K', D], corrected logits [R, K', V] and the
+    tokens it read [R, K', K] (root, then the path; -1 padded). K' = min(K, num_nodes) heads are
+    used. (What Reflex records.)"""
     r = root.shape[0]
     kmax = min(self.num_heads, num_nodes)
     table = params.acceptance.reshape(-1)
     f_paths = jnp.zeros((r, 1, 0), jnp.int32)  # frontier: partial paths and their scores
     f_score = jnp.zeros((r, 1), jnp.float32)
-    out_paths, out_depth, out_score, out_bin, trunk_z, trunk_logits = [], [], [], [], [], []
+    out_paths, out_depth, out_score, out_bin = [], [], [], []
+    trunk_raw, trunk_z, trunk_logits, trunk_ctx = [], [], [], []
     for k in range(1, kmax + 1):
       p = f_paths.shape[1]
       ctx = jnp.concatenate([jnp.broadcast_to(root[:, None, None], (r, p, 1)), f_paths], axis=2)
       z = head_states_at(target, params.heads, k, h, ctx)  # [R, P, D]
+      trunk_raw.append(z[:, 0])
       if correct is not None:
         z = correct(k, z)
       logits = _dec.logits_from_hidden(target.config, target.params, z)  # [R, P, V]
       trunk_z.append(z[:, 0])
       trunk_logits.append(logits[:, 0])
+      trunk_ctx.append(jnp.pad(ctx[:, 0], ((0, 0), (0, self.num_heads - k)), constant_values=-1))
       kk = min(self.topk[k - 1], num_nodes)
       lq, tok = jax.lax.top_k(jax.nn.log_softmax(logits, axis=-1), kk)  # [R, P, kk]
       bins = (k - 1) * self.q_bins + q_bin(jnp.exp(lq), self.q_bins)
@@ -159,10 +164,12 @@ class RankedHeads(RankedProposer):
     cands = _tree.Candidates(paths=jnp.concatenate(out_paths, 1),
                              depth=jnp.concatenate(out_depth, 1),
                              score=jnp.concatenate(out_score, 1), bin=jnp.concatenate(out_bin, 1))
-    return cands, jnp.stack(trunk_z, 1), jnp.stack(trunk_logits, 1)
+    trunk = (jnp.stack(trunk_raw, 1), jnp.stack(trunk_z, 1), jnp.stack(trunk_logits, 1),
+             jnp.stack(trunk_ctx, 1))
+    return cands, trunk
 
   def candidates(self, target, params, shared, inp, *, num_nodes: int):
-    cands, _, _ = self.expand(target, params, inp.hidden, inp.root, num_nodes=num_nodes)
+    cands, _ = self.expand(target, params, inp.hidden, inp.root, num_nodes=num_nodes)
     return cands, jnp.zeros((inp.root.shape[0], 3), bool)
 
 
