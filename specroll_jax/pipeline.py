@@ -56,34 +56,76 @@ def grpo_batch(prompt_ids, group_size: int, first_prompt_index: int = 0):
   return rep, sids
 
 
-def fitted_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int = 3,
-                 num_prompts: int = 128, max_new_tokens: int = 256, temperature: float = 1.0,
-                 steps: int = 600, seed: int = 1234, progress: bool = True, cache: bool = True):
-  """Heads fitted by self-distillation on the target's own rollouts of GSM8K *train* prompts
-  (vanilla, ``return_hidden``); cached as ``heads-<hash>.safetensors`` in the cache folder
-  (``sft.default_cache_dir()``), keyed by the model folder and these settings."""
-  key = json.dumps([str(Path(model_path).resolve()), num_heads, num_prompts, max_new_tokens,
-                    temperature, steps, seed])
-  file = sft.default_cache_dir() / "heads" / (
-      f"heads-{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors")
-  if cache and file.exists():
-    return _heads.load(file)
-  ids, _ = prompts(tok, "train", num_prompts)
-  cfg = rollout.SamplingConfig(temperature=temperature)
+def self_rollouts(config, params, tok: Tokenizer, *, num_prompts: int, max_new_tokens: int,
+                  sampling: rollout.SamplingConfig, seed: int, offset: int = 0,
+                  chunk: int = 32):
+  """The target's own rollouts of GSM8K *train* prompts with the hidden states the heads train on
+  (vanilla engine, ``return_hidden``): (tokens [N, M], lengths [N], hidden [N, M, D])."""
+  ids, _ = prompts(tok, "train", num_prompts, offset)
   toks, lens, hid = [], [], []
-  for i in range(0, num_prompts, 32):
-    r = rollout.generate(config, params, ids[i:i + 32], sampling=cfg, max_new_tokens=max_new_tokens,
-                         seed=seed, sample_ids=np.arange(i, min(i + 32, num_prompts)),
+  for i in range(0, num_prompts, chunk):
+    r = rollout.generate(config, params, ids[i:i + chunk], sampling=sampling,
+                         max_new_tokens=max_new_tokens, seed=seed,
+                         sample_ids=np.arange(i, min(i + chunk, num_prompts)),
                          eos_ids=tok.eos_ids, return_hidden=True)
     toks.append(np.asarray(r.tokens))
     lens.append(np.asarray(r.lengths))
     hid.append(np.asarray(r.hidden))
+  return np.concatenate(toks), np.concatenate(lens), np.concatenate(hid)
+
+
+def _heads_cache_file(kind: str, model_path, *settings) -> Path:
+  key = json.dumps([str(Path(model_path).resolve()), *settings])
+  return sft.default_cache_dir() / "heads" / (
+      f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors")
+
+
+def fitted_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int = 3,
+                 num_prompts: int = 128, max_new_tokens: int = 256, temperature: float = 1.0,
+                 steps: int = 600, seed: int = 1234, progress: bool = True, cache: bool = True):
+  """Medusa heads fitted by self-distillation on the target's own rollouts of GSM8K *train*
+  prompts; cached as ``heads-<hash>.safetensors`` in the cache folder
+  (``sft.default_cache_dir()``), keyed by the model folder and these settings."""
+  file = _heads_cache_file("heads", model_path, num_heads, num_prompts, max_new_tokens,
+                           temperature, steps, seed)
+  if cache and file.exists():
+    return _heads.load(file)
+  toks, lens, hid = self_rollouts(config, params, tok, num_prompts=num_prompts,
+                                  max_new_tokens=max_new_tokens,
+                                  sampling=rollout.SamplingConfig(temperature=temperature),
+                                  seed=seed)
   hd = _heads.init(jax.random.key(seed), config, num_heads)
-  hd, _ = _heads.fit_heads(config, params, hd, np.concatenate(toks), np.concatenate(lens),
-                           np.concatenate(hid), steps=steps, progress=progress)
+  hd, _ = _heads.fit_heads(config, params, hd, toks, lens, hid, steps=steps, progress=progress)
   if cache:
     file.parent.mkdir(parents=True, exist_ok=True)
     _heads.save(file, hd)
+  return hd
+
+
+_T1 = rollout.SamplingConfig(temperature=1.0)
+
+
+def fitted_cond_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int = 3,
+                      num_prompts: int = 2048, max_new_tokens: int = 256,
+                      sampling: rollout.SamplingConfig = _T1, steps: int = 4000,
+                      width: int | None = None, seed: int = 1234, progress: bool = True,
+                      cache: bool = True):
+  """Root-conditioned heads (``cond_heads``) fitted on the target's own rollouts of GSM8K train
+  prompts at ``sampling`` (soft self-distillation); cached like ``fitted_heads``."""
+  from specroll_jax import cond_heads as _cond
+  file = _heads_cache_file("cond", model_path, num_heads, num_prompts, max_new_tokens,
+                           repr(sampling), steps, width, seed)
+  if cache and file.exists():
+    return _cond.load(file)
+  toks, lens, hid = self_rollouts(config, params, tok, num_prompts=num_prompts,
+                                  max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
+                                  chunk=64)
+  hd = _cond.init(jax.random.key(seed), config, num_heads, width=width)
+  hd, _ = _cond.fit(config, params, hd, toks, lens, hid, sampling=sampling, steps=steps,
+                    progress=progress)
+  if cache:
+    file.parent.mkdir(parents=True, exist_ok=True)
+    _cond.save(file, hd)
   return hd
 
 

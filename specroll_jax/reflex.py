@@ -600,11 +600,12 @@ class ReflexProposer(Proposer):
     jc = jnp.clip(j, 0, d1 - 1)
     kept = jnp.take_along_axis(fb.keep, jc.reshape(r, -1), axis=1).reshape(jc.shape)
     due = (pend.position >= 0) & (j >= 0) & (j < fb.path_len[:, None, None]) & kept
-    # a root-conditioned head's prediction counts only if the path it read was committed
-    start = pend.position - jnp.arange(k)[None, :, None] - 1  # the root's position
-    at = (start[..., None] + jnp.arange(k)).reshape(r, -1)
-    seen = jnp.take_along_axis(fb.history, jnp.clip(at, 0, fb.history.shape[1] - 1), axis=1)
-    mature = due & ((pend.path < 0) | (seen.reshape(pend.path.shape) == pend.path)).all(-1)
+    mature = due
+    if cfg.conditioned:  # a head's prediction counts only if the path it read was committed
+      start = pend.position - jnp.arange(k)[None, :, None] - 1  # the root's position
+      at = (start[..., None] + jnp.arange(k)).reshape(r, -1)
+      seen = jnp.take_along_axis(fb.history, jnp.clip(at, 0, fb.history.shape[1] - 1), axis=1)
+      mature = due & ((pend.path < 0) | (seen.reshape(pend.path.shape) == pend.path)).all(-1)
     take_j = lambda x: jnp.take_along_axis(
         x, jc.reshape((r, -1) + (1,) * (x.ndim - 2)), axis=1).reshape(jc.shape + x.shape[2:])
     token = take_j(fb.tokens)
