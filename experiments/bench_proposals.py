@@ -155,14 +155,16 @@ def run_temperature(a, config, params, tok, path, temperature):
     quality[name] = expected.tolist()
     cost = goodput.measure_cost(config, params, prop, pp, pb.tokens, settings=cost_settings,
                                 rows=rows_b, node_counts=tuple(a.cost_nodes))
-    spec, why = goodput.choose(cost, expected, len(batch), rollout.SpecConfig(),
-                               capacity=prop.capacity)
-    out, t, c = _timed(lambda prop=prop, pp=pp, spec=spec: rollout.generate(
-        config, params, batch, spec=spec, proposer=prop, proposer_params=pp, **kw), a.repeats)
-    rows.append(_row(name, "goodput", out, t, c, van, spec.nodes))
-    rows[-1]["goodput"] = why
-    print(f"  {name} @ goodput {spec.nodes}: tau {rows[-1]['tau']:.3f}, {t_van / t:.2f}x",
-          flush=True)
+    for gated in (False, True):
+      spec, why = goodput.choose(cost, expected, len(batch), rollout.SpecConfig(),
+                                 capacity=prop.capacity, gated=gated)
+      out, t, c = _timed(lambda prop=prop, pp=pp, spec=spec: rollout.generate(
+          config, params, batch, spec=spec, proposer=prop, proposer_params=pp, **kw), a.repeats)
+      mode = "goodput + gate" if gated else "goodput"
+      rows.append(_row(name, mode, out, t, c, van, spec.nodes))
+      rows[-1].update(goodput=why, skipped=int(out.stats.spec.skipped))
+      print(f"  {name} @ {mode} {spec.nodes}: tau {rows[-1]['tau']:.3f}, {t_van / t:.2f}x, "
+            f"{rows[-1]['skipped']} steps gated", flush=True)
   for r in rows:
     r["vs_vanilla"] = t_van / r["seconds"]
   # head 1 quality on held-out rollouts (test prompts) against the target's own top-k mass

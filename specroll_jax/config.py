@@ -39,6 +39,7 @@ class DecodeSettings:
   pad_id: int = 0
   bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
   nodes: tuple[int, ...] | None = None
+  gate: tuple[float | None, ...] | None = None
 
   def __post_init__(self):
     if not isinstance(self.sampling, SamplingConfig):
@@ -79,6 +80,9 @@ class SpecConfig:
   nodes: nodes per row in each bucket, one entry per bucket fraction (what ``goodput.choose``
     picks from measured cost and acceptance); overrides node_budget / max_nodes (still capped by
     the proposer's capacity). 0 runs the plain decode step in that bucket.
+  gate: per bucket fraction, None or the break-even expected accepted nodes per active row: a
+    step verifies its tree only when the proposer's estimate (``Proposer.expected_gain``) reaches
+    it, else it runs the plain decode step (``goodput.choose(..., gated=True)``).
   """
 
   num_heads: int = 3
@@ -87,6 +91,7 @@ class SpecConfig:
   topk: tuple[int, ...] | None = None
   bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
   nodes: tuple[int, ...] | None = None
+  gate: tuple[float | None, ...] | None = None
 
   def __post_init__(self):
     _int_at_least(self, "num_heads", 1)
@@ -111,6 +116,13 @@ class SpecConfig:
         raise ValueError(f"SpecConfig.nodes must hold one int >= 0 per bucket fraction "
                          f"({len(self.bucket_fractions)}), got {self.nodes}")
       object.__setattr__(self, "nodes", tuple(int(n) for n in nodes))
+    if self.gate is not None:
+      gate = tuple(self.gate)
+      if len(gate) != len(self.bucket_fractions) or any(
+          g is not None and not (isinstance(g, (int, float)) and g >= 0) for g in gate):
+        raise ValueError(f"SpecConfig.gate must hold one None or number >= 0 per bucket fraction "
+                         f"({len(self.bucket_fractions)}), got {self.gate}")
+      object.__setattr__(self, "gate", tuple(None if g is None else float(g) for g in gate))
 
   @classmethod
   def for_cpu(cls) -> SpecConfig:
@@ -123,6 +135,12 @@ class SpecConfig:
   def for_h200(cls) -> SpecConfig:
     """H200 bf16: verify stays memory-bound up to ~200 tokens per forward (DESIGN.md)."""
     return cls(node_budget=192, max_nodes=12, topk=(4, 3, 2))
+
+  def gate_of(self, batch: int, bucket: int) -> float | None:
+    """The gate of the ``bucket``-th kept bucket of a ``batch``-row batch (None: always verify)."""
+    if self.gate is None:
+      return None
+    return self.gate[_buckets.kept_buckets(batch, self.bucket_fractions)[bucket][1]]
 
   def bucket_shapes(self, batch: int, capacity: int | None = None) -> list[tuple[int, int]]:
     """Static (rows, N) buckets for a batch: rows descending,

@@ -92,7 +92,7 @@ class CostModel:
 
 
 def choose(cost: CostModel, expected, batch: int, spec: SpecConfig, *, capacity: int,
-           margin: float = 0.03) -> tuple[SpecConfig, list[dict]]:
+           margin: float = 0.03, gated: bool = False) -> tuple[SpecConfig, list[dict]]:
   """The ``SpecConfig`` whose ``nodes`` give each bucket of a ``batch``-row batch the measured
   node count n (<= capacity) with the most expected tokens per second, and the reasoning per
   bucket (rows, chosen n, tokens/s of every candidate).
@@ -100,27 +100,41 @@ def choose(cost: CostModel, expected, batch: int, spec: SpecConfig, *, capacity:
   expected[n]: expected accepted nodes per row-step with the best n candidates (n = 0..; e.g.
   ``TreeStats.expected_per_row_step()``); an n beyond its length is not considered. A tree must
   beat the plain step by ``margin`` (relative) to be chosen.
+
+  gated: decide per step as well. Every bucket gets the n with the most tokens per second among
+  n > 0 and a gate at its break-even point, cost(R, n) / cost(R, 0) - 1 expected accepted nodes
+  per active row: steps whose proposals promise less run the plain decode step
+  (``SpecConfig.gate``). Where even the best tree's average rate loses, the gate still lets the
+  steps that pay verify.
   """
   e = np.asarray(expected, np.float64)
   if e.ndim != 1 or e.size < 1:
     raise ValueError(f"expected must be a 1-D array over n = 0.., got shape {e.shape}")
-  nodes, why = [], []
+  nodes, gates, why = [], [], []
   kept = dict((i, r) for r, i in _buckets.kept_buckets(batch, spec.bucket_fractions))
   for i in range(len(spec.bucket_fractions)):
     rows = kept.get(i)
     if rows is None:
       nodes.append(0)
+      gates.append(None)
       continue
     rate = {}
     for n in cost.node_counts:
       if n <= capacity and n < e.size:
         rate[n] = (1.0 + e[n]) / cost.cost(rows, n)
-    best = max(rate, key=rate.get)
-    if best > 0 and rate[best] < rate[0] * (1 + margin):
-      best = 0
+    if gated and len(rate) > 1:
+      best = max((n for n in rate if n > 0), key=rate.get)
+      gate = cost.cost(rows, best) / cost.cost(rows, 0) - 1.0
+    else:
+      best, gate = max(rate, key=rate.get), None
+      if best > 0 and rate[best] < rate[0] * (1 + margin):
+        best = 0
     nodes.append(best)
-    why.append({"rows": rows, "nodes": best, "tokens_per_s": {int(k): v for k, v in rate.items()}})
-  return dataclasses.replace(spec, nodes=tuple(nodes)), why
+    gates.append(gate)
+    why.append({"rows": rows, "nodes": best, "gate": gate,
+                "tokens_per_s": {int(k): v for k, v in rate.items()}})
+  return dataclasses.replace(spec, nodes=tuple(nodes),
+                             gate=tuple(gates) if gated else None), why
 
 
 def _cache_key(config, proposer, settings: DecodeSettings, rows, node_counts, prompt_width):

@@ -20,6 +20,7 @@ class SpecStats:
   nodes_verified: Int[Array, ""]  # tree nodes (root excluded) verified in all row-steps
   active_trace: Int[Array, " F"]  # active rows at verify forward f (f < target_forwards; 0 after)
   bucket_forwards: Int[Array, " S"]  # verify forwards run in each (rows, N) bucket
+  skipped: Int[Array, ""] = 0  # gated steps (``SpecConfig.gate``) that ran the plain decode step
   proposer: Any = None  # the proposer's own statistics (``Proposer.update``), summed
 
 

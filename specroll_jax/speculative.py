@@ -28,6 +28,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import buckets as _buckets
 from specroll_jax import responses as _resp
+from specroll_jax import sampling as _sampling
 from specroll_jax import tree as _tree
 from specroll_jax import verify as _verify
 from specroll_jax._vma import vary_like
@@ -62,6 +63,7 @@ class Counters:
   nodes_verified: Int[Array, ""]
   active_trace: Int[Array, " F"]  # active rows at forward f
   bucket_forwards: Int[Array, " S"]  # forwards run in bucket s
+  skipped: Int[Array, ""]  # gated steps that ran the plain decode step instead of the tree
   proposer: Any  # the proposer's statistics, summed
 
 
@@ -106,6 +108,7 @@ def init_state(config, params, proposer: Proposer, proposer_params, prompt_token
       nodes_verified=jnp.int32(0),
       active_trace=jnp.zeros((settings.max_new_tokens + 1,), jnp.int32),
       bucket_forwards=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
+      skipped=jnp.int32(0),
       proposer=proposer.init_stats())
   state = SpecState(slots=slots, out=st.out, counters=counters, shared=pshared)
   return vary_like(state, params, proposer_params, prompt_tokens, prompt_lengths, sample_ids,
@@ -127,45 +130,114 @@ def _pad_cols(x, width: int, value=0):
   return jnp.pad(x, cfg, constant_values=value)
 
 
+@flax.struct.dataclass
+class _Step:
+  """What one step decided for every slot, whichever forward ran (the tree's verify forward or the
+  plain decode step)."""
+
+  tree: _tree.Tree  # the tree that was verified (root only for a plain step)
+  em: _resp.Emitted
+  cache: _dec.KVCache  # with this step's committed K/V and lengths
+  path_len: Int[Array, " R"]
+  tokens: Int[Array, "R D1"]
+  path_hidden: Float[Array, "R D1 D"]
+  path: Int[Array, "R D1"]
+  target_tokens: Int[Array, "R N1"]
+  accepted: Bool[Array, "R N1"]
+  topm_ids: Any = None
+  topm_logprobs: Any = None
+  lse: Any = None
+
+
+def _plain(config, params, s: SpecState, eos_ids, seed, settings: DecodeSettings, d1: int,
+           n1: int, topm: int) -> _Step:
+  """The vanilla decode step in the speculative loop's terms (a root-only tree, padded to N1)."""
+  sl = s.slots
+  active = ~sl.done
+  hid, cache, tok, lp, nf = decode_step(config, params, sl.root, sl.cache, active, seed,
+                                        sl.sample_ids, settings)
+  r = sl.root.shape[0]
+  tokens = _pad_cols(tok[:, None], d1)
+  path_hidden = _pad_cols(hid[:, None], d1)
+  j = jnp.arange(d1)[None]
+  em = _resp.emit(s.out, sl.row, sl.n_out, sl.done, tokens, _pad_cols(lp[:, None], d1),
+                  path_hidden, _pad_cols(nf[:, None], d1, False), j < 1, eos_ids,
+                  settings.max_new_tokens)
+  dist = (None, None, None)
+  if topm > 0:  # the distribution the token was drawn from, for proposers that learn from it
+    x = _sampling.allowed_logits(_dec.logits_from_hidden(config, params, hid[:, None]),
+                                 settings.sampling)
+    dist = _verify.path_distribution(_pad_cols(x, d1), topm)
+  tree = _tree.root_only(sl.root)
+  if n1 > 1:
+    tree = _tree.pad(tree, n1 - 1)
+  return _Step(tree=tree, em=em, cache=cache, path_len=jnp.ones((r,), jnp.int32), tokens=tokens,
+               path_hidden=path_hidden, path=jnp.zeros((r, d1), jnp.int32),
+               target_tokens=_pad_cols(tok[:, None], n1),
+               accepted=_pad_cols(jnp.ones((r, 1), bool), n1, False), topm_ids=dist[0],
+               topm_logprobs=dist[1], lse=dist[2])
+
+
+def _tree_step(config, params, s: SpecState, tr: _tree.Tree, eos_ids, seed,
+               settings: DecodeSettings, max_depth: int, topm: int) -> _Step:
+  """Verify ``tr`` exactly, emit the target's samples along the accepted path, commit their K/V."""
+  sl = s.slots
+  length = sl.cache.lengths
+  res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
+                       max_depth=max_depth, kernels=settings.kernels, topm=topm)
+  j = jnp.arange(max_depth + 1)[None]
+  em = _resp.emit(s.out, sl.row, sl.n_out, sl.done, res.tokens, res.logprobs, res.hidden,
+                  res.nonfinite, j < res.path_len[:, None], eos_ids, settings.max_new_tokens)
+  # commit path node j's K/V at L + j for every emitted token j
+  cache = _dec.write_cache(sl.cache, res.k_path, res.v_path,
+                           jnp.where(em.keep, length[:, None] + j, -1))
+  cache = cache.replace(lengths=length + em.keep.sum(1).astype(jnp.int32))
+  return _Step(tree=tr, em=em, cache=cache, path_len=res.path_len, tokens=res.tokens,
+               path_hidden=res.hidden, path=res.path, target_tokens=res.target_tokens,
+               accepted=res.accepted, topm_ids=res.topm_ids, topm_logprobs=res.topm_logprobs,
+               lse=res.lse)
+
+
 def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState, eos_ids, seed, *,
-              settings: DecodeSettings, num_nodes: int, bucket: int) -> SpecState:
-  """One speculative step for every slot: propose, verify, commit, feed back (N = num_nodes)."""
+              settings: DecodeSettings, num_nodes: int, bucket: int,
+              gate: float | None = None) -> SpecState:
+  """One speculative step for every slot: propose, verify, commit, feed back (N = num_nodes).
+
+  ``gate`` (static): verify the tree only when the active rows' expected accepted nodes
+  (``Proposer.expected_gain``) average at least ``gate``; otherwise run the plain decode step
+  (the proposal is discarded, its rows learn nothing from this step). None: always verify.
+  """
   sl = s.slots
   d1 = proposer.max_depth + 1
   active = ~sl.done
   length = sl.cache.lengths  # L: position of the root
   target = Target(config=config, params=params, sampling=settings.sampling)
   pstate = proposer.join_state(sl.proposer, s.shared)
+  topm = proposer.feedback_topm
+  ct = s.counters
+  skipped = jnp.int32(0)
   if num_nodes == 0:  # nothing to propose: the vanilla decode step
-    hid, cache, tok, lp, nf = decode_step(config, params, sl.root, sl.cache, active, seed,
-                                          sl.sample_ids, settings)
-    tr = _tree.root_only(sl.root)
-    r = sl.root.shape[0]
-    path_len = jnp.ones((r,), jnp.int32)
-    tokens, logprobs = _pad_cols(tok[:, None], d1), _pad_cols(lp[:, None], d1)
-    nonfinite = _pad_cols(nf[:, None], d1, False)
-    path_hidden = _pad_cols(hid[:, None], d1)
-    path = jnp.zeros((r, d1), jnp.int32)
-    target_tokens, accepted = tok[:, None], jnp.ones((r, 1), bool)
+    st = _plain(config, params, s, eos_ids, seed, settings, d1, 1, 0)
   else:
     budget = jnp.where(active, num_nodes, 0)
     tr, pstate = proposer.propose(target, proposer_params, pstate, ProposeInput(
         hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
         row=sl.row, sample_ids=sl.sample_ids, responses=s.out.tokens,
         response_lengths=s.out.lengths), num_nodes=num_nodes)
-    res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
-                         max_depth=proposer.max_depth, kernels=settings.kernels,
-                         topm=proposer.feedback_topm)
-    path_len, tokens, logprobs, nonfinite = res.path_len, res.tokens, res.logprobs, res.nonfinite
-    path_hidden, path = res.hidden, res.path
-    target_tokens, accepted = res.target_tokens, res.accepted
+    verify_fn = lambda: _tree_step(config, params, s, tr, eos_ids, seed, settings,
+                                   proposer.max_depth, topm)
+    gain = None if gate is None else proposer.expected_gain(pstate, num_nodes)
+    if gain is None:
+      st = verify_fn()
+    else:
+      n_act = jnp.maximum(active.sum(), 1).astype(jnp.float32)
+      go = jnp.where(active, gain, 0.0).sum() >= jnp.float32(gate) * n_act
+      st = jax.lax.cond(go, verify_fn, lambda: _plain(config, params, s, eos_ids, seed, settings,
+                                                      d1, num_nodes + 1, topm))
+      skipped = (~go).astype(jnp.int32)
+  tr, em, cache, path_len, tokens = st.tree, st.em, st.cache, st.path_len, st.tokens
+  path_hidden = st.path_hidden
   j = jnp.arange(d1)[None]
-  em = _resp.emit(s.out, sl.row, sl.n_out, sl.done, tokens, logprobs, path_hidden, nonfinite,
-                  j < path_len[:, None], eos_ids, settings.max_new_tokens)
-  if num_nodes > 0:  # commit path node j's K/V at L + j for every emitted token j
-    cache = _dec.write_cache(sl.cache, res.k_path, res.v_path,
-                             jnp.where(em.keep, length[:, None] + j, -1))
-    cache = cache.replace(lengths=length + em.keep.sum(1).astype(jnp.int32))
   last = jnp.maximum(path_len - 1, 0)
   new_root = jnp.take_along_axis(tokens, last[:, None], axis=1)[:, 0]
   new_hidden = jnp.take_along_axis(path_hidden, last[:, None, None], axis=1)[:, 0]
@@ -175,18 +247,16 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
       tokens, mode="drop")
   pstats = proposer.init_stats()
   if num_nodes > 0:  # a step without a tree proposed nothing: no feedback to give
-    topm_ids, topm_lp, lse = res.topm_ids, res.topm_logprobs, res.lse
-    fb = Feedback(tree=tr, target_tokens=target_tokens, accepted=accepted, path=path,
+    fb = Feedback(tree=tr, target_tokens=st.target_tokens, accepted=st.accepted, path=st.path,
                   path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
                   position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
-                  done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=topm_ids,
-                  topm_logprobs=topm_lp, lse=lse, history=history)
+                  done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=st.topm_ids,
+                  topm_logprobs=st.topm_logprobs, lse=st.lse, history=history)
     pstate, pstats = proposer.update(target, proposer_params, pstate, fb)
   prow, pshared = proposer.split_state(pstate)
   slots = sl.replace(cache=cache, root=jnp.where(active, new_root, sl.root),
                      hidden=jnp.where(active[:, None], new_hidden, sl.hidden), n_out=em.n_out,
                      done=em.done, history=history, proposer=prow)
-  ct = s.counters
   n_active = active.sum().astype(jnp.int32)
   ks = jnp.arange(1, proposer.max_depth + 1)[None]
   tree_depth = jnp.where(active, jnp.max(jnp.where(tr.valid, tr.depth, 0), axis=1), -1)
@@ -199,6 +269,7 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
           jnp.int32),
       active_trace=ct.active_trace.at[ct.forwards].add(n_active, mode="drop"),
       bucket_forwards=ct.bucket_forwards.at[bucket].add(1),
+      skipped=ct.skipped + skipped,
       proposer=jax.tree.map(jnp.add, ct.proposer, pstats))
   return SpecState(slots=slots, out=em.out, counters=counters, shared=pshared)
 
@@ -209,6 +280,7 @@ def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecS
   params = _dec.unstack_layers(params)
   shapes = bucket_shapes(spec, proposer, state.out.tokens.shape[0])
   rows, n = shapes[bucket]
+  gate = spec.gate_of(state.out.tokens.shape[0], bucket)
   slots = state.slots
   if rows < slots.root.shape[0]:
     slots = compact(slots, rows)
@@ -220,7 +292,7 @@ def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecS
 
   def body(s: SpecState) -> SpecState:
     return spec_step(config, params, proposer, proposer_params, s, eos_ids, seed,
-                     settings=settings, num_nodes=n, bucket=bucket)
+                     settings=settings, num_nodes=n, bucket=bucket, gate=gate)
 
   return jax.lax.while_loop(cond, body, state.replace(slots=slots))
 
@@ -230,7 +302,8 @@ def finish(state: SpecState, settings: DecodeSettings) -> Rollout:
   tokens, logprobs = _resp.finish(out, settings.pad_id)
   spec_stats = SpecStats(depth_proposed=ct.depth_proposed, depth_accepted=ct.depth_accepted,
                          nodes_verified=ct.nodes_verified, active_trace=ct.active_trace,
-                         bucket_forwards=ct.bucket_forwards, proposer=ct.proposer)
+                         bucket_forwards=ct.bucket_forwards, skipped=ct.skipped,
+                         proposer=ct.proposer)
   stats = RolloutStats(target_forwards=ct.forwards, row_forwards=ct.row_forwards,
                        tokens=out.lengths.sum(), nonfinite=out.nonfinite, spec=spec_stats)
   return Rollout(tokens=tokens, lengths=out.lengths, logprobs=logprobs, stats=stats,

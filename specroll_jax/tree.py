@@ -60,6 +60,19 @@ def root_only(root: Int[Array, " R"]) -> Tree:
               mask=jnp.ones((r, 1, 1), bool), valid=jnp.ones((r, 1), bool))
 
 
+def pad(tr: Tree, num_nodes: int) -> Tree:
+  """``tr`` with invalid nodes appended up to ``num_nodes`` nodes (root excluded)."""
+  extra = num_nodes - tr.num_nodes
+  if extra <= 0:
+    return tr
+  r = tr.tokens.shape[0]
+  grow = lambda a, v: jnp.concatenate([a, jnp.full((r, extra), v, a.dtype)], axis=1)
+  n1 = num_nodes + 1
+  mask = jnp.zeros((r, n1, n1), bool).at[:, : tr.num_nodes + 1, : tr.num_nodes + 1].set(tr.mask)
+  return Tree(tokens=grow(tr.tokens, 0), depth=grow(tr.depth, 0), parent=grow(tr.parent, -1),
+              valid=grow(tr.valid, False), mask=mask | jnp.eye(n1, dtype=bool)[None])
+
+
 @functools.cache
 def candidate_tree(topk: tuple[int, ...]):
   """Static layout of the product tree, in breadth-first order (numpy, root excluded).

@@ -100,3 +100,29 @@ def test_calibration_counts_and_checks():
     calibration.init(np.array([1.5]))
   leaves = jax.tree.leaves(cal)
   assert len(leaves) == 3  # a pytree of arrays (orbax-checkpointable)
+
+
+def test_gated_steps_run_the_plain_step_exactly(trained_model, gsm8k_prompts):
+  config, params, tok = trained_model
+  prompts = [p for p in gsm8k_prompts[:4] for _ in range(2)]
+  kw = dict(sampling=SamplingConfig(temperature=0.7), max_new_tokens=24, seed=3,
+            sample_ids=np.arange(8), eos_ids=tok.eos_ids)
+  ref = rollout.generate(config, params, prompts, **kw)
+  gl = GroupLookup(group_size=2)
+  runs = {}
+  for gate in (0.0, 1e9):
+    spec = SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(3, 3), gate=(gate, gate))
+    got = rollout.generate(config, params, prompts, spec=spec, proposer=gl,
+                           proposer_params=gl.context(), **kw)
+    np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
+    runs[gate] = got.stats
+  assert int(runs[0.0].spec.skipped) == 0 and int(runs[0.0].spec.nodes_verified) > 0
+  never = runs[1e9]
+  assert int(never.spec.skipped) == int(never.target_forwards)  # every step gated off
+  assert int(never.spec.nodes_verified) == 0 and int(never.spec.proposer.tested.sum()) == 0
+  with pytest.raises(ValueError, match="SpecConfig.gate must hold one None or number"):
+    SpecConfig(bucket_fractions=(1.0, 0.5), gate=(1.0,))
+  spec, _ = goodput.choose(_cost(0.5), np.array([0.0, 0.3, 0.45, 0.55, 0.6]), 64, SPEC,
+                           capacity=8, gated=True)
+  assert spec.nodes[0] == 1 and spec.gate[0] == pytest.approx(0.5)  # break-even of n = 1

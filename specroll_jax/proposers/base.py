@@ -165,6 +165,11 @@ class Proposer:
     plain decode step without feedback (buckets only ever grow N, so nothing is pending then)."""
     return state, self.init_stats()
 
+  def expected_gain(self, state: PyTree, num_nodes: int):
+    """[R] expected accepted nodes of each row's last proposed tree of ``num_nodes`` nodes, or None
+    when the proposer has no estimate (then a gated bucket always verifies)."""
+    return None
+
   def init_stats(self) -> PyTree:
     """Zeros of the statistics pytree ``update`` returns ({} when there are none)."""
     return {}

@@ -137,19 +137,6 @@ class PromptLookup(Proposer):
     return {"lookup_rows": z, "lookup_tokens": z, "lookup_matched": z}
 
 
-def pad_tree(tr: _tree.Tree, num_nodes: int) -> _tree.Tree:
-  """``tr`` with invalid nodes appended up to ``num_nodes`` nodes (root excluded)."""
-  extra = num_nodes - tr.num_nodes
-  if extra <= 0:
-    return tr
-  r = tr.tokens.shape[0]
-  pad = lambda a, v: jnp.concatenate([a, jnp.full((r, extra), v, a.dtype)], axis=1)
-  n1 = num_nodes + 1
-  mask = jnp.zeros((r, n1, n1), bool).at[:, : tr.num_nodes + 1, : tr.num_nodes + 1].set(tr.mask)
-  return _tree.Tree(tokens=pad(tr.tokens, 0), depth=pad(tr.depth, 0), parent=pad(tr.parent, -1),
-                    valid=pad(tr.valid, False), mask=mask | jnp.eye(n1, dtype=bool)[None])
-
-
 @dataclasses.dataclass(frozen=True)
 class HeadsAndLookup(Proposer):
   """The heads' tree and the lookup chain merged into one tree per row. Parameters: (heads params,
@@ -186,7 +173,7 @@ class HeadsAndLookup(Proposer):
     sh, sl = state
     tr, sh = self.heads.propose(target, params[0], sh, inp,
                                 num_nodes=min(num_nodes, self.heads.capacity))
-    tr = pad_tree(tr, num_nodes)
+    tr = _tree.pad(tr, num_nodes)
     tokens, length = self.lookup.chain_for(sl, inp)
     merged = _tree.merge_chain(tr, tokens, length, inp.budget, max_depth=self.max_depth)
     return merged, (sh, sl.replace(chain=tokens, chain_len=length))

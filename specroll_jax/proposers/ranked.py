@@ -121,6 +121,9 @@ class RankedProposer(Proposer):
                       found=(rows.found & on[:, None]).sum(0).astype(jnp.int32))
     return (rows.replace(proposed=jnp.zeros_like(rows.proposed)), shared), stats
 
+  def expected_gain(self, state, num_nodes: int):
+    return state[0].expected[:, min(num_nodes, self.capacity)]
+
   def init_stats(self):
     return TreeStats.zeros(self.num_bins, self.capacity + 1)
 
