@@ -150,10 +150,12 @@ def run_temperature(a, config, params, tok, path, temperature):
     print(f"  {name} @ {a.nodes}: tau {rows[-1]['tau']:.3f}, depth-1 {rows[-1]['depth1']:.3f}, "
           f"{t_van / t:.2f}x", flush=True)
     if not ranked:
+      _release()
       continue
     expected = out.stats.spec.proposer.expected_per_row_step()
     quality[name] = expected.tolist()
-    cost = goodput.measure_cost(config, params, prop, pp, pb.tokens, settings=cost_settings,
+    cost = goodput.measure_cost(config, params, prop, pp, pb.tokens, pb.lengths,
+                                settings=cost_settings,
                                 rows=rows_b, node_counts=tuple(a.cost_nodes))
     for gated in (False, True):
       spec, why = goodput.choose(cost, expected, len(batch), rollout.SpecConfig(),
@@ -165,6 +167,7 @@ def run_temperature(a, config, params, tok, path, temperature):
       rows[-1].update(goodput=why, skipped=int(out.stats.spec.skipped))
       print(f"  {name} @ {mode} {spec.nodes}: tau {rows[-1]['tau']:.3f}, {t_van / t:.2f}x, "
             f"{rows[-1]['skipped']} steps gated", flush=True)
+    _release()
   for r in rows:
     r["vs_vanilla"] = t_van / r["seconds"]
   # head 1 quality on held-out rollouts (test prompts) against the target's own top-k mass
@@ -175,6 +178,14 @@ def run_temperature(a, config, params, tok, path, temperature):
                             np.asarray(held.hidden), sampling=sampling)
   return {"temperature": temperature, "rows": rows, "head_quality": hq,
           "expected_by_nodes": quality}
+
+
+def _release():
+  """Drop compiled programs no later case reuses: each speculative rollout program holds ~3k
+  memory mappings (XLA:CPU maps every kernel), and one process may hold 65530."""
+  import gc
+  jax.clear_caches()
+  gc.collect()
 
 
 def _flat_prior(prop):

@@ -6,7 +6,7 @@ and probability bin, a lookup source's match length and depth); the engine count
 nodes that were tested (their parent was accepted) and accepted (``proposers.ranked.TreeStats``).
 ``Calibration`` keeps exponentially decayed counts and turns them into the table the proposer
 scores with: a Beta-smoothed acceptance rate per bin, pulled toward the source's own prior where
-few nodes were tested. It is a pytree of arrays (orbax checkpoints it) updated on the host between
+few nodes were tested. It is a pytree of arrays (checkpointable) updated on the host between
 batches; a new table never recompiles the rollout (it is a traced parameter).
 """
 

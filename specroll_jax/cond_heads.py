@@ -13,7 +13,7 @@ the path tokens at depths 1..k-1, through the target's own (frozen) input embedd
 h is the anchor's pre-norm hidden state (the one whose unembedding gives the root), x_0 the root,
 x_j the path token at depth j; head k predicts the token at depth k. Still no KV cache and no
 separate drafter: a head is one MLP and one unembedding. Trees expand depth by depth from the best
-partial paths (``proposers/cond_heads.py``).
+partial paths (``proposers/ranked_heads.py``).
 
 Training is self-distillation on the target's own rollouts, teacher-forced on the sampled path:
 head k at anchor j reads tokens j..j+k-1 and is fitted to the target's sampling distribution at

@@ -38,8 +38,6 @@ class DecodeSettings:
   return_hidden: bool = False
   pad_id: int = 0
   bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
-  nodes: tuple[int, ...] | None = None
-  gate: tuple[float | None, ...] | None = None
 
   def __post_init__(self):
     if not isinstance(self.sampling, SamplingConfig):

@@ -145,11 +145,13 @@ def _cache_key(config, proposer, settings: DecodeSettings, rows, node_counts, pr
   return hashlib.sha1(key.encode()).hexdigest()[:16]
 
 
-def measure_cost(config, params, proposer, proposer_params, prompts, *, settings: DecodeSettings,
-                 rows, node_counts=DEFAULT_NODE_COUNTS, steps: int = 8, repeats: int = 3,
-                 cache_dir: Path | str | None = None, progress: bool = True) -> CostModel:
+def measure_cost(config, params, proposer, proposer_params, prompts, prompt_lengths, *,
+                 settings: DecodeSettings, rows, node_counts=DEFAULT_NODE_COUNTS, steps: int = 8,
+                 repeats: int = 3, cache_dir: Path | str | None = None,
+                 progress: bool = True) -> CostModel:
   """Time one engine step for every (rows, n) with this proposer (``prompts``: a padded [B, P]
-  array of representative prompts, reused cyclically to fill ``rows``), median of ``repeats``
+  array of representative prompts with their ``prompt_lengths`` [B], reused cyclically to fill
+  ``rows``), median of ``repeats``
   timed loops of ``steps`` steps each, compile excluded. Cached as JSON in ``cache_dir``
   (default ``<cache>/cost``) under a key of everything the timing depends on (model config,
   proposer settings, decode settings, shapes, jax version, device and CPU model)."""
@@ -164,7 +166,10 @@ def measure_cost(config, params, proposer, proposer_params, prompts, *, settings
   file = folder / f"cost-{key}.json"
   if file.exists():
     return CostModel.from_json(file.read_text())
-  lengths = np.maximum((prompts != 0).cumsum(1).argmax(1) + 1, 1).astype(np.int32)
+  lengths = np.asarray(prompt_lengths, np.int32)
+  if lengths.shape != (len(prompts),) or (lengths < 1).any() or (lengths > prompts.shape[1]).any():
+    raise ValueError(f"prompt_lengths must be [{len(prompts)}] ints in [1, {prompts.shape[1]}], "
+                     f"got {lengths}")
   eos = jnp.asarray([-1], jnp.int32)
   seed = jnp.uint32(0)
   table = np.zeros((len(rows), len(node_counts)))

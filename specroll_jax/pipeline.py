@@ -62,10 +62,12 @@ def self_rollouts(config, params, tok: Tokenizer, *, num_prompts: int, max_new_t
   """The target's own rollouts of GSM8K *train* prompts with the hidden states the heads train on
   (vanilla engine, ``return_hidden``): (tokens [N, M], lengths [N], hidden [N, M, D])."""
   ids, _ = prompts(tok, "train", num_prompts, offset)
+  padded, plens = rollout.pad_prompts(ids)  # one width for every chunk: one compile
   toks, lens, hid = [], [], []
   for i in range(0, num_prompts, chunk):
-    r = rollout.generate(config, params, ids[i:i + chunk], sampling=sampling,
-                         max_new_tokens=max_new_tokens, seed=seed,
+    r = rollout.generate(config, params, padded[i:i + chunk], prompt_lengths=plens[i:i + chunk],
+                         sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
+                         cache_length=padded.shape[1] + max_new_tokens,
                          sample_ids=np.arange(i, min(i + chunk, num_prompts)),
                          eos_ids=tok.eos_ids, return_hidden=True)
     toks.append(np.asarray(r.tokens))

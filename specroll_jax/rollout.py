@@ -166,7 +166,8 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
     raise ValueError(f"eos_ids must be integer token ids, got {eos_list}")
   eos = np.asarray(eos_list or [-1], np.int64)
   if ((eos >= config.vocab_size) | (eos < -1)).any():
-    raise ValueError(f"eos_ids {eos_list} must lie in [0, vocab_size={config.vocab_size})")
+    raise ValueError(f"eos_ids {eos_list} must lie in [0, vocab_size={config.vocab_size}) (-1: "
+                     "none)")
   return PreparedBatch(toks, lens, sids, eos.astype(np.int32), int(cache_length))
 
 

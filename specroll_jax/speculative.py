@@ -205,7 +205,7 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
 
   ``gate`` (static): verify the tree only when the active rows' expected accepted nodes
   (``Proposer.expected_gain``) average at least ``gate``; otherwise run the plain decode step
-  (the proposal is discarded, its rows learn nothing from this step). None: always verify.
+  (the proposal is discarded; ``update`` sees a root-only tree). None: always verify.
   """
   sl = s.slots
   d1 = proposer.max_depth + 1

@@ -8,8 +8,8 @@ silently proposing nonsense. ``context`` gives a batch's [B, K, W] array for
 ``GroupLookup.context(prior=...)``. Proposals from it are verified like any other: a stored
 response that is the row's own future text speeds the row up, it never decides a token.
 
-``state_dict`` / ``from_state_dict`` turn it into a flat dict of numpy arrays (orbax checkpoints
-it beside the train state); ``save`` / ``load`` write one ``.npz`` file atomically.
+``state_dict`` / ``from_state_dict`` turn it into a flat dict of numpy arrays (what a
+checkpoint stores); ``save`` / ``load`` write one ``.npz`` file atomically.
 """
 
 from __future__ import annotations

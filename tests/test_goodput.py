@@ -78,11 +78,12 @@ def test_zero_nodes_verify_nothing_and_measured_cost_is_cached(trained_model, gs
                             cache_length=pb.cache_length, kernels=Kernels.resolve("reference"))
   args = dict(settings=settings, rows=(4, 2), node_counts=(0, 2), steps=2, repeats=1,
               cache_dir=tmp_path, progress=False)
-  cost = goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, **args)
+  cost = goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, pb.lengths, **args)
   assert cost.rows == (4, 2) and cost.node_counts == (0, 2)
   assert all(s > 0 for r in cost.seconds for s in r)
   assert len(list(tmp_path.glob("cost-*.json"))) == 1
-  assert goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, **args) == cost
+  assert goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, pb.lengths,
+                              **args) == cost
 
 
 def test_calibration_counts_and_checks():

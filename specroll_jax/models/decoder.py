@@ -1,21 +1,24 @@
 """Qwen2 / Qwen2.5 / Llama-3 decoder in Flax (linen), with pure functions at the boundary.
 
-One code path, three uses (all through :func:`step`):
-  (a) full causal forward (``forward``): no cache, causal mask over the tokens;
-  (b) prefill of ragged, right-padded prompts into a preallocated :class:`KVCache` (``prefill``);
-  (c) a multi-token step at explicit positions with an explicit mask over [cache + new tokens]
-      (tree verification: each new token sees the valid cache prefix and its tree ancestors only).
+Two ways through the layers (``_layers``; layers run unrolled over per-layer weight slices):
 
-Every step returns logits (f32), the last layer's hidden states *before* the final norm (what the
-future-token heads read) and the step's own K/V per layer; writing them into the cache is a
-separate, explicit scatter (:func:`write_cache`), so a verify step can commit only its accepted
-nodes. ``kernels`` (a :class:`specroll_jax.kernels.Kernels`, or a choice name resolved on the spot)
-picks the attention implementation.
+* :func:`step`: tokens at explicit positions with an explicit mask over [cache + new tokens],
+  the cache only read. It returns the last layer's hidden states *before* the final norm (what
+  the heads and the sampler read), the step's own K/V per layer, and logits (f32) unless the
+  caller passes ``compute_logits=False`` (the engines do: they sample from the hidden states).
+  Uses: the full causal forward (``forward``), the prefill of ragged right-padded prompts
+  (``prefill``, which then scatters the K/V into the cache with :func:`write_cache`), and tree
+  verification (each node sees the valid cache prefix and its tree ancestors; the accepted nodes'
+  K/V are committed afterwards with :func:`write_cache`).
+* :func:`append_step`: the decode step. Each token's K/V are written into the per-layer cache
+  buffers in place first, then the token attends the cache (no cache copy per step); it returns
+  the hidden states and the updated cache (no logits).
 
-Parameters are the ``params`` collection of :class:`Decoder` (layers stacked on a leading axis by
-``nn.scan``); dense kernels are stored [in, out].
+``kernels`` (a :class:`specroll_jax.kernels.Kernels`, or a choice name resolved on the spot) picks
+the attention implementation. Parameters are the ``params`` collection of :class:`Decoder`
+(layers stacked on a leading axis by ``nn.scan``; ``unstack_layers`` slices them once outside a
+loop); dense kernels are stored [in, out].
 """
-
 from __future__ import annotations
 
 import functools

@@ -161,8 +161,10 @@ class Proposer:
              fb: Feedback) -> tuple[PyTree, PyTree]:
     """(new per-row state, statistics of this step) from the step's feedback. Statistics are a
     pytree of arrays without a rows axis; the engine adds them up over the rollout. Called after
-    every verify step that had a tree (N > 0); a bucket with N = 0 proposes nothing and runs the
-    plain decode step without feedback (buckets only ever grow N, so nothing is pending then)."""
+    every step of a bucket with N > 0: after the verify forward, or, when a gated step ran the
+    plain decode step instead, with a root-only tree (nothing was tested; the committed token and
+    its distribution are still reported). A bucket with N = 0 proposes nothing and calls no
+    ``update``; what a proposer still has pending then never matures."""
     return state, self.init_stats()
 
   def expected_gain(self, state: PyTree, num_nodes: int):
