@@ -173,3 +173,11 @@ def test_response_store_bounded_checkpointable_and_checked(tmp_path):
     st.add([5], [[1]], np.array([[10]]), np.array([1]))
   with pytest.raises(ValueError, match="per_prompt must be an int >= 1"):
     ResponseStore(vocab_size=10, per_prompt=0)
+
+
+def test_row_context_is_detected_for_the_on_device_step():
+  from specroll_jax.grpo.on_device import has_row_context
+  gl = GroupLookup(group_size=G)
+  assert not has_row_context(gl.context())
+  assert has_row_context(gl.context(group_ids=np.arange(4)))
+  assert has_row_context(("heads", gl.context(prior=np.zeros((4, 1, 2), np.int32))))

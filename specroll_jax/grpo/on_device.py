@@ -161,9 +161,21 @@ class RolloutTrainStep:
                        f"{'None' if proposer_params is None else 'set'}")
     if self.proposer is not None:
       self.proposer.validate(self.config, proposer_params)
+      if has_row_context(proposer_params):
+        raise ValueError("proposer_params carry per-row lookup context (LookupContext.group_ids "
+                         "or .prior), which this step replicates to every shard; on device, "
+                         "siblings follow from the sample ids (leave group_ids and prior None)")
     state, prompts, seed, proposer_params = _step.place(
         self.mesh, state, prompts, (jnp.asarray(seed, jnp.uint32), proposer_params))
     return self.jitted(state, prompts, seed, proposer_params)
+
+
+def has_row_context(params) -> bool:
+  """Whether a proposer's parameters hold a ``LookupContext`` with per-row arrays."""
+  from specroll_jax.proposers.group_lookup import LookupContext
+  found = [x for x in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, LookupContext))
+           if isinstance(x, LookupContext)]
+  return any(c.group_ids is not None or c.prior is not None for c in found)
 
 
 def make_rollout_train_step(config: ModelConfig, cfg: GRPOConfig, reward_fn: Callable, *,
