@@ -5,6 +5,14 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# jax's persistent compilation cache (set before jax is imported, inherited by the subprocess
+# tests): a program compiled once in this run, by this process or a child, is loaded from disk
+# the next time (after the per-module cache release below, in the 4-device and job subprocesses,
+# in the next local run). Keyed by the program, jax version, flags and device: never stale.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax-cache"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

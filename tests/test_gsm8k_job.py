@@ -1,5 +1,6 @@
-"""The main job end to end on a test-sized model: one step runs, bad flags end in one line with
-exit code 2, and a run killed with SIGKILL mid-run resumes to exactly the uninterrupted run."""
+"""The main job end to end on a test-sized model: one step runs (its bad flags:
+test_experiments_cli.py), and a run killed with SIGKILL mid-run resumes to exactly the
+uninterrupted run."""
 
 import json
 import os
@@ -55,21 +56,6 @@ def test_one_step_end_to_end(job_model, tmp_path):
     assert (out / kind / "traces" / "zarr.json").exists()
   assert (out / "gsm8k.png").stat().st_size > 10_000
   assert "step 1/1" in proc.stdout  # one plain line per step in a log
-
-
-@pytest.mark.parametrize("flags,name", [
-    (["--steps", "0"], "--steps"), (["--group", "-1"], "--group"),
-    (["--temperature", "-1"], "--temperature"), (["--top-p", "1.5"], "--top-p"),
-    (["--lr", "0"], "--lr"), (["--model", "/no/such/folder"], "--model"),
-    (["--rollout", "fast"], "--rollout"), (["--steps", "many"], "--steps"),
-    (["--resume"], "--resume"),
-])
-def test_bad_flags_exit_2_with_one_line(tmp_path, flags, name):
-  proc = subprocess.run([sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), *flags],
-                        capture_output=True, text=True, env=_env(), timeout=300)
-  assert proc.returncode == 2, proc.stderr
-  lines = [x for x in proc.stderr.splitlines() if x.strip()]
-  assert len(lines) == 1 and name in lines[0] and "Traceback" not in proc.stderr, proc.stderr
 
 
 def _records(path):
