@@ -62,7 +62,8 @@ class DecodeSettings:
 
 @dataclasses.dataclass(frozen=True)
 class SpecConfig:
-  """Speculative engine settings (DESIGN.md, "One speculative step" and the concurrency budget).
+  """Speculative engine settings (docs/design.md, "One speculative step" and "Buckets and
+  compaction").
 
   node_budget: global number of tree nodes (root excluded) per verify forward, shared by the rows
     of a bucket.
@@ -131,7 +132,8 @@ class SpecConfig:
 
   @classmethod
   def for_h200(cls) -> SpecConfig:
-    """H200 bf16: verify stays memory-bound up to ~200 tokens per forward (DESIGN.md)."""
+    """H200 bf16: verify stays memory-bound up to ~200 tokens per forward (docs/design.md, "The
+    node budget")."""
     return cls(node_budget=192, max_nodes=12, topk=(4, 3, 2))
 
   def gate_of(self, batch: int, bucket: int) -> float | None:

@@ -48,7 +48,8 @@ def prompts(tok: Tokenizer, split: str, n: int, offset: int = 0):
 
 
 def grpo_batch(prompt_ids, group_size: int, first_prompt_index: int = 0):
-  """Repeat each prompt G times; sample id = global prompt index * G + member (DESIGN.md)."""
+  """Repeat each prompt G times; sample id = global prompt index * G + member (docs/design.md,
+  "The node budget")."""
   if group_size < 1:
     raise ValueError(f"group_size must be >= 1, got {group_size}")
   rep = [p for p in prompt_ids for _ in range(group_size)]

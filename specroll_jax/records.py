@@ -5,7 +5,7 @@ heads' input at proposal time (the target's anchor hidden state), the correction
 that head's output, the target's distribution at t on a sparse support (renormalised on it, at the
 sampling temperature) with the mass outside it, the committed token, the tree's candidates at that
 depth and the sparse total variation between the (corrected) head and the target. Everything comes
-from verify forwards: no extra target forward (DESIGN.md, "Slow path").
+from verify forwards: no extra target forward (docs/design.md, "Slow path").
 
 ``Records`` is a bounded buffer per head (every leaf [K, C, ...]): a ring indexed by
 ``count[k] % C``, so the newest records overwrite the oldest (recent first). Static shapes; the

@@ -1,4 +1,4 @@
-"""Reflex: the gradient-free fast path over the future-token heads (DESIGN.md, "Reflex").
+"""Reflex: the gradient-free fast path over the future-token heads (docs/design.md, "Reflex").
 
 Per (row, head k) a fast state m (hidden-sized, f32) turns delayed verifier feedback into a
 bounded correction of head k's output hidden state before the shared final norm and unembedding:
@@ -52,8 +52,8 @@ def _per_head(values: tuple, k: int) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class ReflexConfig:
-  """Every Reflex constant, with the defaults of DESIGN.md (the method authors' public code).
-  Per-head tuples are cut or extended (repeating the last entry) to ``num_heads``."""
+  """Every Reflex constant, with the defaults of docs/design.md, "Reflex" (the method authors'
+  public code). Per-head tuples are cut or extended (repeating the last entry) to ``num_heads``."""
 
   num_heads: int = 3
   topk: tuple[int, ...] = DEFAULT_TOPK  # tree candidates per depth (as the static heads)
@@ -320,7 +320,7 @@ class Matured:
 
 def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, corr_top, raw_top,
              path_hidden, lse) -> Matured:
-  """Feedback of matured records (DESIGN.md, "Feedback from a matured record").
+  """Feedback of matured records (docs/design.md, "Feedback from a matured record").
 
   head_out [.., D]: the corrected head output h_k'; ids_q / ids_p [.., top]: top ids of q and of
   the target's p; token [..]: the committed token; cand / corr_top / raw_top [.., C]; path_hidden

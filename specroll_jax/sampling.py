@@ -1,6 +1,7 @@
 """Counter-based sampling noise, Gumbel-max sampling and logprobs.
 
-The central invariant (DESIGN.md): the token at absolute position ``t`` of response ``sample_id`` is
+The central invariant (docs/design.md): the token at absolute position ``t`` of response
+``sample_id`` is
 
     x_t = argmax_v ( logits_{t-1}[v] * (1 / T) + Gumbel(u(seed, sample_id, t, v)) )   over allowed v
 

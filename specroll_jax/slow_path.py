@@ -1,5 +1,5 @@
 """Slow path: a degradation monitor and a guarded refresh of the future-token heads, run between
-rollout batches (DESIGN.md, "Slow path").
+rollout batches (docs/design.md, "Slow path").
 
 The rollout loop calls :func:`after_batch` once per rollout batch with the batch's matured
 prediction records (``specroll_jax.records``) and the per-head acceptance rates. It
@@ -72,7 +72,8 @@ def _check_float(cfg, name: str, lo: float, hi: float = math.inf, *, lo_open: bo
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SlowPathConfig:
   """Every window, threshold and optimiser setting of the slow path. Frozen and hashable: it is a
-  static jit argument. Defaults follow DESIGN.md ("Slow path"); ``for_tests`` has CPU-sized windows.
+  static jit argument. Defaults follow docs/design.md, "Slow path"; ``for_tests`` has CPU-sized
+  windows.
 
   mode: "degradation" (refresh after sustained degradation), "scheduled" (whenever
     ``scheduled_min_records`` records and ``scheduled_min_batches`` batches have passed since the

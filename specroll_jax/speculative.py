@@ -1,6 +1,7 @@
 """The speculative engine: propose a tree per row, verify it exactly, commit the target's samples.
 
-Concurrency-aware buckets (DESIGN.md): a batch of B rows runs in a few compiled (rows, N) buckets
+Concurrency-aware buckets (docs/design.md, "Buckets and compaction"): a batch of B rows runs in a
+few compiled (rows, N) buckets
 with rows * N about the node budget. Each bucket is a ``lax.while_loop`` that exits once no more
 rows are active than the next bucket holds; then an in-graph compaction moves the active slots
 first and keeps that many (one ``tree_map`` over the per-slot state: KV cache, history and the

@@ -1,4 +1,4 @@
-"""Speculation trees with static shapes (DESIGN.md, "One speculative step", steps 2 and 4).
+"""Speculation trees with static shapes (docs/design.md, "One speculative step", steps 2 and 4).
 
 A ``Tree`` holds, per row, node 0 = the root (the target's already-sampled next token, depth 0) and
 N more nodes, each with a parent, a depth and a validity bit; ``mask`` is the ancestor-or-self

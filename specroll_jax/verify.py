@@ -1,4 +1,5 @@
-"""Exact target verification of a speculation tree (DESIGN.md, "One speculative step", steps 3-5).
+"""Exact target verification of a speculation tree (docs/design.md, "One speculative step", steps
+3-5).
 
 One target forward on [root + nodes] at positions L + depth with the ancestor mask; the target's own
 sample at every node (counter-based noise at that node's next position, so it is the token vanilla

@@ -1,4 +1,5 @@
-"""GRPO (DESIGN.md "GRPO", "No rollout/trainer mismatch"): hand-computed advantages, objective and
+"""GRPO (docs/design.md, "GRPO", "No rollout/trainer mismatch"): hand-computed advantages,
+objective and
 k3 KL; the trainer's logprobs equal the rollout's at step 0; speculative rollouts give the same
 updates as vanilla ones. (1 vs 4 devices: ``test_grpo_sharded.py``.)"""
 

@@ -1,4 +1,5 @@
-"""The GRPO steps on 4 devices give the same update as on 1 (DESIGN.md "GRPO"): the offline step
+"""The GRPO steps on 4 devices give the same update as on 1 (docs/design.md, "GRPO"): the offline
+step
 over finished rollouts (seq_mean, KL to a reference) and the fully on-device step (vanilla rollouts
 + jnp reward + gradient, token_mean). One subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` set before jax is imported runs both meshes

@@ -1,4 +1,4 @@
-"""Reflex (DESIGN.md, "Reflex"): feedback and gate math against direct numpy computations, the
+"""Reflex (docs/design.md, "Reflex"): feedback and gate math against direct numpy computations, the
 correction's bounds, exact no-op when ineligible, resets, group sharing and delayed maturity."""
 
 import jax

@@ -1,4 +1,5 @@
-"""Counter-based sampling (DESIGN.md, "The central invariant"): exactness of the Gumbel-max sampler
+"""Counter-based sampling (docs/design.md, "The central invariant"): exactness of the Gumbel-max
+sampler
 under temperature / top-k / top-p, determinism and batch-layout independence of the noise, logprobs,
 config validation and the non-finite flag."""
 

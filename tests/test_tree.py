@@ -1,4 +1,4 @@
-"""Sparse speculation trees (DESIGN.md, "One speculative step", steps 2 and 4): properties of
+"""Sparse speculation trees (docs/design.md, "One speculative step", steps 2 and 4): properties of
 ``plan`` checked against independent numpy references, and exact acceptance."""
 
 import jax

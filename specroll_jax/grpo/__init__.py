@@ -1,4 +1,4 @@
-"""GRPO on top of the rollouts (DESIGN.md, "GRPO" and "No rollout/trainer mismatch").
+"""GRPO on top of the rollouts (docs/design.md, "GRPO" and "No rollout/trainer mismatch").
 
 ``GRPOConfig`` (every default), ``group_advantages`` and the clipped objective (``loss``), the
 trainer's teacher-forced logprobs under the rollout's own decoder and sampling rule

@@ -1,5 +1,5 @@
 """``GRPOConfig``: every GRPO hyperparameter and its default, in one frozen validated dataclass
-(DESIGN.md, "GRPO"). Hashable, so it is a static jit argument; ``optimizer()`` builds the optax
+(docs/design.md, "GRPO"). Hashable, so it is a static jit argument; ``optimizer()`` builds the optax
 transform."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class GRPOConfig:
   max_grad_norm: clip the global gradient norm to this (``optax.clip_by_global_norm``; inf = off).
   micro_batches: gradient-accumulation chunks per device and step (a ``lax.scan``).
   sampling: how the policy samples; the trainer's logprobs use the same (temperature, top-k,
-    top-p), DESIGN.md "No rollout/trainer mismatch".
+    top-p), docs/design.md, "No rollout/trainer mismatch".
   """
 
   group_size: int = 8

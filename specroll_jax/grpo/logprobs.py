@@ -1,5 +1,5 @@
 """The trainer's logprobs of rollout tokens: the rollout's decoder and ``SamplingConfig``, teacher
-forced (DESIGN.md, "No rollout/trainer mismatch").
+forced (docs/design.md, "No rollout/trainer mismatch").
 
 Each row's sequence is its prompt followed by its response, contiguous, at absolute positions
 0 .. prompt_length + length - 1 (exactly where the rollout placed them); one causal forward with a

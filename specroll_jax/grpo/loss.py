@@ -1,6 +1,6 @@
-"""The GRPO objective (DESIGN.md, "GRPO"): group-relative advantages, the clipped importance-ratio
-objective with the rollout's logprobs as the old policy, the k3 KL to a frozen reference, and the
-per-batch sums (``Sums``) from which a data-parallel step forms global means.
+"""The GRPO objective (docs/design.md, "GRPO"): group-relative advantages, the clipped
+importance-ratio objective with the rollout's logprobs as the old policy, the k3 KL to a frozen
+reference, and the per-batch sums (``Sums``) from which a data-parallel step forms global means.
 
 A step never averages per-device means: every quantity is a sum (numerators, token and sequence
 counts) that is ``psum``-ed over the data axis and divided once (``metrics``), so the loss and its
@@ -66,7 +66,8 @@ class TokenTerms:
 def token_terms(logp: Float[Array, "B M"], old_logp: Float[Array, "B M"],
                 advantages: Float[Array, " B"], cfg: GRPOConfig,
                 ref_logp: Float[Array, "B M"] | None = None) -> TokenTerms:
-  """PPO/GRPO clipped surrogate per token (old policy = the rollout's logprobs, DESIGN.md "GRPO"):
+  """PPO/GRPO clipped surrogate per token (old policy = the rollout's logprobs, docs/design.md,
+  "GRPO"):
   ``-min(ratio * A, clip(ratio, 1 - eps_low, 1 + eps_high) * A) + beta * k3(logp, ref_logp)``."""
   ratio = jnp.exp(logp - old_logp)
   a = advantages[:, None]
@@ -154,7 +155,8 @@ def batch_sums(terms: TokenTerms, logp, old_logp, entropy, lengths, rewards,
 class Metrics:
   """One step's metrics (global over all devices and micro-batches; token means over response
   tokens). ``logp_gap_*`` and ``rollout_kl`` compare the trainer's logprobs (before the update)
-  with the rollout's: the no-mismatch check of DESIGN.md (0 up to float rounding at ratio 1)."""
+  with the rollout's: the no-mismatch check of docs/design.md (0 up to float rounding at ratio
+  1)."""
 
   loss: Float[Array, ""]  # the objective (token_mean or seq_mean)
   ratio_mean: Float[Array, ""]

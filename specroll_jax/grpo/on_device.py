@@ -3,7 +3,7 @@
 a proposer), a jnp reward function, the group advantages and the gradient; then one optax update.
 
 Every prompt's G responses are one micro-batch's rows (groups never straddle micro-batches or
-devices); response ``i`` of global prompt ``p`` has sample id ``p * G + i`` (DESIGN.md, "The
+devices); response ``i`` of global prompt ``p`` has sample id ``p * G + i`` (docs/design.md, "The
 central invariant"), so the rollouts, and hence the update, do not depend on the device count or on
 the micro-batching. Token counts are only known after the rollouts, so the scan accumulates the
 objective's numerator and the ``Sums``; one ``psum`` and one division follow (see ``step``).

@@ -1,4 +1,5 @@
-"""The data-parallel GRPO train step (DESIGN.md, "GRPO"): ``jax.shard_map`` over a ``Mesh`` with a
+"""The data-parallel GRPO train step (docs/design.md, "GRPO"): ``jax.shard_map`` over a ``Mesh``
+with a
 ``data`` axis inside ``jax.jit``, a ``lax.scan`` over micro-batches for gradient accumulation and
 one optax update, with the ``TrainState`` donated.
 

@@ -1,7 +1,7 @@
 """The proposer interface: what turns the engine's view of a row into that row's candidate tree.
 
-A proposer has three parts with three lifetimes (DESIGN.md, "Proposers: one engine, many ways to
-guess"):
+A proposer has three parts with three lifetimes (docs/design.md, "Proposers: one engine, many ways
+to guess"):
 
 * settings: the proposer object itself, a frozen hashable dataclass (a static jit argument);
 * parameters: a pytree passed as a traced argument (what the slow path trains between rollout

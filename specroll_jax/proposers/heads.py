@@ -1,4 +1,5 @@
-"""Static future-token heads as a proposer (Medusa-style; DESIGN.md, mechanism 1).
+"""Static future-token heads as a proposer (Medusa-style; docs/design.md, "Medusa heads and
+tree.plan").
 
 Parameters: ``specroll_jax.heads.Heads``. Per-row state: none. ``propose`` runs only the heads and
 candidates the bucket's node count N can use: with the trunk reserved first, a tree of N nodes
