@@ -86,11 +86,13 @@ def lm_loss(config, params, tokens, mask):
   return (ce * m).sum() / jnp.maximum(m.sum(), 1.0)
 
 
-def train(config: models.ModelConfig, tok: Tokenizer, sft: SFTConfig, *, progress: bool = True):
-  """SFT from scratch. Returns (params, metrics dict)."""
-  train_ex = gsm8k.load("train")[: sft.num_train]
+def train(config: models.ModelConfig, tok: Tokenizer, sft: SFTConfig, *, progress: bool = True,
+          examples=None, init=None):
+  """SFT on ``examples`` (default: GSM8K train), from ``init`` parameters (default: a fresh
+  random initialisation). Returns (params, metrics dict)."""
+  train_ex = (gsm8k.load("train") if examples is None else list(examples))[: sft.num_train]
   tokens, mask, dropped = encode_examples(tok, train_ex, sft.seq_len)
-  params = models.init_params(jax.random.key(sft.seed), config)
+  params = models.init_params(jax.random.key(sft.seed), config) if init is None else init
   rng = np.random.default_rng(sft.seed)
   steps = sft.steps
   if steps is None:  # size the cosine schedule to the time budget
@@ -150,21 +152,11 @@ def test_loss(config, params, tok: Tokenizer, seq_len: int, n: int = 256) -> flo
 
 def evaluate_accuracy(config, params, tok: Tokenizer, *, n: int = 64, max_new_tokens: int = 192,
                       batch_size: int = 32) -> dict:
-  """Greedy GSM8K test accuracy (strict '#### N' and flexible last-number) on the first n."""
-  from specroll_jax import rewards, rollout
-  exs = gsm8k.load("test")[:n]
-  strict = flexible = 0.0
-  for i in range(0, len(exs), batch_size):
-    chunk = exs[i:i + batch_size]
-    prompts = [tok.encode(gsm8k.format_prompt(e.question)) for e in chunk]
-    r = rollout.generate(config, params, prompts, sampling=rollout.SamplingConfig(temperature=0.0),
-                         max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids)
-    for row, e in enumerate(chunk):
-      text = tok.decode(np.asarray(r.tokens[row, : int(r.lengths[row])]).tolist())
-      strict += rewards.gsm8k_reward(text, e.gold)
-      flexible += rewards.gsm8k_reward(text, e.gold, mode="flexible")
-  return {"n": len(exs), "accuracy_strict": strict / len(exs),
-          "accuracy_flexible": flexible / len(exs)}
+  """Greedy GSM8K test accuracy (strict '#### N' and flexible last-number) on the first n
+  (``evaluation.accuracy`` on GSM8K test)."""
+  from specroll_jax import evaluation
+  return evaluation.accuracy(config, params, tok, gsm8k.load("test")[:n],
+                             max_new_tokens=max_new_tokens, batch_size=batch_size)
 
 
 def default_cache_dir() -> Path:

@@ -180,3 +180,21 @@ def test_bad_arguments():
     synthetic.generate(1, seed=0, split="dev")
   with pytest.raises(ValueError, match="difficulty must be a Difficulty"):
     synthetic.generate(1, seed=0, difficulty=2)
+
+
+def test_tasks_give_gsm8k_synthetic_or_both():
+  from specroll_jax.data import tasks
+  syn = tasks.Task(name="synthetic", level=1, train_size=50, test_size=20)
+  tr, te = syn.examples("train"), syn.examples("test")
+  assert len(tr) == 50 and len(te) == 20
+  assert {e.question for e in tr}.isdisjoint(e.question for e in te)
+  assert tasks.Task(name="gsm8k").examples("test") == gsm8k.load("test")
+  mix = tasks.Task(name="mix", train_size=10, test_size=5).examples("test")
+  real = set(e.question for e in gsm8k.load("test"))
+  assert len(mix) == 5 + len(real) and sum(e.question in real for e in mix[:10]) == 5
+  with pytest.raises(ValueError, match="Task.name must be one of"):
+    tasks.Task(name="math")
+  with pytest.raises(ValueError, match="level must be an int in"):
+    tasks.Task(name="synthetic", level=9)
+  with pytest.raises(ValueError, match="split must be one of"):
+    syn.examples("dev")

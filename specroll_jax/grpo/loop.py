@@ -1,5 +1,6 @@
-"""The host-scored GRPO training loop on GSM8K: rollout (jitted) -> decode text -> reward on the
-host -> data-parallel train step, with the adaptation state carried across steps, orbax checkpoints
+"""The host-scored GRPO training loop on a GSM8K-format task (``data.tasks``: GSM8K, the synthetic
+problems, or both): rollout (jitted) -> decode text -> reward on the host -> data-parallel train
+step, with the adaptation state carried across steps, orbax checkpoints
 (SIGKILL-safe resume), tensorstore rollout traces and a metrics.jsonl line per step.
 
 Determinism: a step's rollouts depend only on (params, the adaptation state, the data position,
@@ -29,6 +30,7 @@ from specroll_jax.adaptation import AdaptationConfig
 from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k
+from specroll_jax.data.tasks import Task
 from specroll_jax.grpo.config import GRPOConfig
 from specroll_jax.grpo.loss import group_advantages
 from specroll_jax.grpo.step import Batch, init_train_state, make_train_step
@@ -39,20 +41,24 @@ ROLLOUTS = ("vanilla", "specroll", "static-heads")
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-  """One GRPO run on GSM8K train prompts. Every default of the main job lives here.
+  """One GRPO run on a task's train prompts. Every default of the main job lives here.
 
+  task: the problems (``data.tasks.Task``; GSM8K by default), scored by the GSM8K reward.
   prompts_per_step: P prompts per step, each sampled G = grpo.group_size times.
   rollout: "specroll" (heads + Reflex + slow path, ``adaptation``), "static-heads" (heads fitted
     once) or "vanilla" (no speculation). All three give the same tokens.
   prompt_width: prompts are padded to this many tokens (fixed shapes: one compile); None: the
-    longest GSM8K train prompt under the tokenizer, rounded up to 16. Longer prompts are refused.
-  eval_every / eval_prompts: greedy accuracy on the first GSM8K test prompts every n steps (0: off).
+    longest train prompt of the task under the tokenizer, rounded up to 16. Longer prompts are
+    refused.
+  eval_every / eval_prompts: greedy accuracy on the first test prompts of the task every n steps
+    (0: off).
   format_weight: reward bonus for a well-formed "#### N" line (the reward is 1 for a correct
     answer plus this).
   keep_checkpoints: complete checkpoints kept on disk.
   """
 
   grpo: GRPOConfig = GRPOConfig()
+  task: Task = Task()
   prompts_per_step: int = 8
   max_new_tokens: int = 256
   steps: int = 10
@@ -75,6 +81,8 @@ class RunConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"RunConfig.{name} must be an int >= {lo}, got {v!r}")
+    if not isinstance(self.task, Task):
+      raise ValueError(f"RunConfig.task must be a data.tasks.Task, got {type(self.task).__name__}")
     if self.rollout not in ROLLOUTS:
       raise ValueError(f"RunConfig.rollout must be one of {ROLLOUTS}, got {self.rollout!r}")
     if not self.format_weight >= 0:
@@ -90,12 +98,12 @@ class RunConfig:
 
 
 class Prompts:
-  """GSM8K train prompts in a fixed shuffled order (``data_seed``), encoded once, padded to a
+  """A task's train prompts in a fixed shuffled order (``data_seed``), encoded once, padded to a
   fixed width. ``batch(position, n)`` returns the n prompts from ``position`` on (wrapping around
   epochs; the global index ``position + i`` keeps growing, so sample ids never repeat)."""
 
-  def __init__(self, tok, *, data_seed: int, width: int | None):
-    exs = gsm8k.load("train")
+  def __init__(self, tok, *, data_seed: int, width: int | None, task: Task | None = None):
+    exs = (task or Task()).examples("train")
     self.order = np.random.default_rng(data_seed).permutation(len(exs))
     self.ids = tok.encode_batch([gsm8k.format_prompt(e.question) for e in exs])
     self.golds = [e.gold for e in exs]
@@ -103,7 +111,7 @@ class Prompts:
     self.width = (-(-longest // _rollout.PROMPT_BUCKET) * _rollout.PROMPT_BUCKET
                   if width is None else int(width))
     if longest > self.width:
-      raise ValueError(f"prompt_width={self.width} is shorter than the longest GSM8K train prompt "
+      raise ValueError(f"prompt_width={self.width} is shorter than the longest train prompt "
                        f"({longest} tokens); use None or >= {longest}")
 
   def batch(self, position: int, n: int):
@@ -130,7 +138,7 @@ class Run:
     self.out = Path(out_dir)
     self.out.mkdir(parents=True, exist_ok=True)
     self.sampling = run.grpo.sampling
-    self.data = Prompts(tok, data_seed=run.data_seed, width=run.prompt_width)
+    self.data = Prompts(tok, data_seed=run.data_seed, width=run.prompt_width, task=run.task)
     self.cache_length = self.data.width + run.max_new_tokens
     if self.cache_length > config.max_position_embeddings:
       raise ValueError(f"prompt width {self.data.width} + max_new_tokens {run.max_new_tokens} "
@@ -278,11 +286,13 @@ class Run:
     self.next_step = k + 1
     return rec
 
-  def evaluate(self) -> float:
-    """Greedy strict accuracy on the first ``eval_prompts`` GSM8K test prompts."""
-    from specroll_jax import sft
-    res = sft.evaluate_accuracy(self.config, self.state.params, self.tok,
-                                n=self.run.eval_prompts, max_new_tokens=self.run.max_new_tokens)
+  def evaluate(self, params=None) -> float:
+    """Greedy strict accuracy on the first ``eval_prompts`` test prompts of the task (of the
+    current policy, or of ``params``)."""
+    from specroll_jax import evaluation
+    exs = self.run.task.examples("test")[: self.run.eval_prompts]
+    res = evaluation.accuracy(self.config, self.state.params if params is None else params,
+                              self.tok, exs, max_new_tokens=self.run.max_new_tokens)
     return float(res["accuracy_strict"])
 
   def close(self) -> None:

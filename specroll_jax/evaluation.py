@@ -1,0 +1,42 @@
+"""Greedy accuracy of a model on a task's held-out examples (strict "#### N" and flexible
+last-number answers)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
+             batch_size: int = 32) -> dict:
+  """Greedy accuracy on ``examples`` (objects with ``question`` and ``gold``); prompts padded to
+  one width (one compile)."""
+  from specroll_jax import rewards, rollout
+  from specroll_jax.data import gsm8k
+  exs = list(examples)
+  if not exs:
+    raise ValueError("accuracy: no examples")
+  ids = [tok.encode(gsm8k.format_prompt(e.question)) for e in exs]
+  padded, lens = rollout.pad_prompts(ids)
+  strict = flexible = 0.0
+  greedy = rollout.SamplingConfig(temperature=0.0)
+  for i in range(0, len(exs), batch_size):
+    sl = slice(i, i + batch_size)
+    toks, ln = padded[sl], lens[sl]
+    if len(toks) < batch_size:  # pad the last batch with copies (one shape: one compile)
+      extra = batch_size - len(toks)
+      toks, ln = np.concatenate([toks, toks[:1].repeat(extra, 0)]), np.concatenate(
+          [ln, ln[:1].repeat(extra)])
+    r = rollout.generate(config, params, toks, prompt_lengths=ln, sampling=greedy,
+                         max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids,
+                         sample_ids=np.arange(len(toks)),
+                         cache_length=padded.shape[1] + max_new_tokens)
+    out, out_lens = np.asarray(r.tokens), np.asarray(r.lengths)
+    for row, e in enumerate(exs[sl]):
+      text = tok.decode(out[row, : out_lens[row]].tolist())
+      strict += rewards.gsm8k_reward(text, e.gold)
+      flexible += rewards.gsm8k_reward(text, e.gold, mode="flexible")
+  return {"n": len(exs), "accuracy_strict": strict / len(exs),
+          "accuracy_flexible": flexible / len(exs)}
+
+
+__all__ = ["accuracy"]
