@@ -29,7 +29,6 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import buckets as _buckets
 from specroll_jax import responses as _resp
-from specroll_jax import sampling as _sampling
 from specroll_jax import tree as _tree
 from specroll_jax import verify as _verify
 from specroll_jax._vma import vary_like
@@ -150,9 +149,9 @@ class _Step:
   lse: Any = None
 
 
-def _plain(config, params, s: SpecState, eos_ids, seed, settings: DecodeSettings, d1: int,
-           n1: int, topm: int) -> _Step:
-  """The vanilla decode step in the speculative loop's terms (a root-only tree, padded to N1)."""
+def _plain(config, params, s: SpecState, eos_ids, seed, settings: DecodeSettings,
+           d1: int) -> _Step:
+  """The vanilla decode step (K/V appended in place) in the speculative loop's terms."""
   sl = s.slots
   active = ~sl.done
   hid, cache, tok, lp, nf = decode_step(config, params, sl.root, sl.cache, active, seed,
@@ -164,29 +163,18 @@ def _plain(config, params, s: SpecState, eos_ids, seed, settings: DecodeSettings
   em = _resp.emit(s.out, sl.row, sl.n_out, sl.done, tokens, _pad_cols(lp[:, None], d1),
                   path_hidden, _pad_cols(nf[:, None], d1, False), j < 1, eos_ids,
                   settings.max_new_tokens)
-  dist = (None, None, None)
-  if topm > 0:  # the distribution the token was drawn from, for proposers that learn from it
-    x = _sampling.allowed_logits(_dec.logits_from_hidden(config, params, hid[:, None]),
-                                 settings.sampling)
-    dist = _verify.path_distribution(_pad_cols(x, d1), topm)
-  tree = _tree.root_only(sl.root)
-  if n1 > 1:
-    tree = _tree.pad(tree, n1 - 1)
-  return _Step(tree=tree, em=em, cache=cache, path_len=jnp.ones((r,), jnp.int32), tokens=tokens,
-               path_hidden=path_hidden, path=jnp.zeros((r, d1), jnp.int32),
-               target_tokens=_pad_cols(tok[:, None], n1),
-               accepted=_pad_cols(jnp.ones((r, 1), bool), n1, False), topm_ids=dist[0],
-               topm_logprobs=dist[1], lse=dist[2])
+  return _Step(tree=_tree.root_only(sl.root), em=em, cache=cache,
+               path_len=jnp.ones((r,), jnp.int32), tokens=tokens, path_hidden=path_hidden,
+               path=jnp.zeros((r, d1), jnp.int32), target_tokens=tok[:, None],
+               accepted=jnp.ones((r, 1), bool))
 
 
-def _tree_step(config, params, s: SpecState, tr: _tree.Tree, eos_ids, seed,
-               settings: DecodeSettings, max_depth: int, topm: int) -> _Step:
-  """Verify ``tr`` exactly, emit the target's samples along the accepted path, commit their K/V."""
+def _verified(config, params, s: SpecState, res: _verify.VerifyResult, tr: _tree.Tree, eos_ids,
+              settings: DecodeSettings) -> _Step:
+  """Emit the target's samples along a verified tree's accepted path and commit their K/V."""
   sl = s.slots
   length = sl.cache.lengths
-  res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
-                       max_depth=max_depth, kernels=settings.kernels, topm=topm)
-  j = jnp.arange(max_depth + 1)[None]
+  j = jnp.arange(res.tokens.shape[1])[None]
   em = _resp.emit(s.out, sl.row, sl.n_out, sl.done, res.tokens, res.logprobs, res.hidden,
                   res.nonfinite, j < res.path_len[:, None], eos_ids, settings.max_new_tokens)
   # commit path node j's K/V at L + j for every emitted token j
@@ -197,6 +185,29 @@ def _tree_step(config, params, s: SpecState, tr: _tree.Tree, eos_ids, seed,
                path_hidden=res.hidden, path=res.path, target_tokens=res.target_tokens,
                accepted=res.accepted, topm_ids=res.topm_ids, topm_logprobs=res.topm_logprobs,
                lse=res.lse)
+
+
+def _gated_verify(config, params, s: SpecState, tr: _tree.Tree, go, seed,
+                  settings: DecodeSettings, max_depth: int, topm: int):
+  """(the verify result, the tree it verified): ``tr`` where ``go``, else the root alone (a
+  plain step through the same forward). The cache is only read inside the branches (written once
+  after them), so the conditional copies no KV buffer."""
+  sl = s.slots
+  n1 = tr.tokens.shape[1]
+  run = lambda t: _verify.verify(config, params, t, sl.cache, seed, sl.sample_ids,
+                                 settings.sampling, max_depth=max_depth, kernels=settings.kernels,
+                                 topm=topm)
+
+  def tree_branch():
+    return run(tr), tr
+
+  def root_branch():
+    root = _tree.root_only(sl.root)
+    res = run(root)
+    return res.replace(target_tokens=_pad_cols(res.target_tokens, n1),
+                       accepted=_pad_cols(res.accepted, n1, False)), _tree.pad(root, n1 - 1)
+
+  return jax.lax.cond(go, tree_branch, root_branch)
 
 
 def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState, eos_ids, seed, *,
@@ -218,24 +229,24 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
   ct = s.counters
   skipped = jnp.int32(0)
   if num_nodes == 0:  # nothing to propose: the vanilla decode step
-    st = _plain(config, params, s, eos_ids, seed, settings, d1, 1, 0)
+    st = _plain(config, params, s, eos_ids, seed, settings, d1)
   else:
     budget = jnp.where(active, num_nodes, 0)
     tr, pstate = proposer.propose(target, proposer_params, pstate, ProposeInput(
         hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
         row=sl.row, sample_ids=sl.sample_ids, responses=s.out.tokens,
         response_lengths=s.out.lengths), num_nodes=num_nodes)
-    verify_fn = lambda: _tree_step(config, params, s, tr, eos_ids, seed, settings,
-                                   proposer.max_depth, topm)
     gain = None if gate is None else proposer.expected_gain(pstate, num_nodes)
     if gain is None:
-      st = verify_fn()
+      res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
+                           max_depth=proposer.max_depth, kernels=settings.kernels, topm=topm)
     else:
       n_act = jnp.maximum(active.sum(), 1).astype(jnp.float32)
       go = jnp.where(active, gain, 0.0).sum() >= jnp.float32(gate) * n_act
-      st = jax.lax.cond(go, verify_fn, lambda: _plain(config, params, s, eos_ids, seed, settings,
-                                                      d1, num_nodes + 1, topm))
+      res, tr = _gated_verify(config, params, s, tr, go, seed, settings, proposer.max_depth,
+                              topm)
       skipped = (~go).astype(jnp.int32)
+    st = _verified(config, params, s, res, tr, eos_ids, settings)
   tr, em, cache, path_len, tokens = st.tree, st.em, st.cache, st.path_len, st.tokens
   path_hidden = st.path_hidden
   j = jnp.arange(d1)[None]
