@@ -133,14 +133,17 @@ def run_temperature(a, config, params, tok, path, temperature):
   for name, prop, make in cases:
     ranked = isinstance(prop, RankedProposer)
     table = None
-    if ranked:  # calibrate on warm-up batches of other prompts (train split)
-      cal = calibration.init(_flat_prior(prop))
+    if ranked:  # calibrate on warm-up batches of other prompts (train split), under the same
+      cal = calibration.init(_flat_prior(prop))  # conditions: earlier responses of them too
       for w in range(a.warmup):
         wid, _ = pipeline.prompts(tok, "train", a.prompts, offset=3000 + w * a.prompts)
         wb, ws = pipeline.grpo_batch(wid, g, 3000 + w * a.prompts)
-        wpp = make(_shaped(prop, cal.table()), None)  # (these prompts have no earlier text)
+        wkw = {**kw, "sample_ids": ws}
+        w_prev = rollout.generate(config, params, wb, **{**wkw, "seed": a.seed + 1000})
+        w_prior = _prior_store(config, wb, prompt_ids, w_prev, m)
+        wpp = make(_shaped(prop, cal.table()), w_prior)
         w_out = rollout.generate(config, params, wb, spec=fixed, proposer=prop,
-                                 proposer_params=wpp, **{**kw, "sample_ids": ws})
+                                 proposer_params=wpp, **wkw)
         cal = cal.update(w_out.stats.spec.proposer)
       table = _shaped(prop, cal.table())
     pp = make(table, prior)

@@ -59,10 +59,18 @@ def grpo_batch(prompt_ids, group_size: int, first_prompt_index: int = 0):
 
 def self_rollouts(config, params, tok: Tokenizer, *, num_prompts: int, max_new_tokens: int,
                   sampling: rollout.SamplingConfig, seed: int, offset: int = 0,
-                  chunk: int = 32):
-  """The target's own rollouts of GSM8K *train* prompts with the hidden states the heads train on
-  (vanilla engine, ``return_hidden``): (tokens [N, M], lengths [N], hidden [N, M, D])."""
-  ids, _ = prompts(tok, "train", num_prompts, offset)
+                  chunk: int = 32, task=None):
+  """The target's own rollouts of *train* prompts of ``task`` (default GSM8K) with the hidden
+  states the heads train on (vanilla engine, ``return_hidden``): (tokens [N, M], lengths [N],
+  hidden [N, M, D])."""
+  if task is None:
+    ids, _ = prompts(tok, "train", num_prompts, offset)
+  else:
+    exs = task.examples("train")[offset:offset + num_prompts]
+    if len(exs) < num_prompts:
+      raise ValueError(f"task {task.name} has {len(exs)} train examples from offset {offset}; "
+                       f"asked for {num_prompts}")
+    ids = [tok.encode(gsm8k.format_prompt(e.question)) for e in exs]
   padded, plens = rollout.pad_prompts(ids)  # one width for every chunk: one compile
   toks, lens, hid = [], [], []
   for i in range(0, num_prompts, chunk):
@@ -112,17 +120,20 @@ def fitted_cond_heads(config, params, tok: Tokenizer, model_path, *, num_heads: 
                       num_prompts: int = 2048, max_new_tokens: int = 256,
                       sampling: rollout.SamplingConfig = _T1, steps: int = 4000,
                       width: int | None = None, seed: int = 1234, progress: bool = True,
-                      cache: bool = True):
-  """Root-conditioned heads (``cond_heads``) fitted on the target's own rollouts of GSM8K train
-  prompts at ``sampling`` (soft self-distillation); cached like ``fitted_heads``."""
+                      cache: bool = True, task=None):
+  """Root-conditioned heads (``cond_heads``) fitted on the target's own rollouts of train prompts
+  of ``task`` (default GSM8K) at ``sampling`` (soft self-distillation); cached like
+  ``fitted_heads``."""
   from specroll_jax import cond_heads as _cond
-  file = _heads_cache_file("cond", model_path, num_heads, num_prompts, max_new_tokens,
-                           repr(sampling), steps, width, seed)
+  settings = (num_heads, num_prompts, max_new_tokens, repr(sampling), steps, width, seed)
+  if task is not None:
+    settings += (repr(task),)
+  file = _heads_cache_file("cond", model_path, *settings)
   if cache and file.exists():
     return _cond.load(file)
   toks, lens, hid = self_rollouts(config, params, tok, num_prompts=num_prompts,
                                   max_new_tokens=max_new_tokens, sampling=sampling, seed=seed,
-                                  chunk=64)
+                                  chunk=64, task=task)
   hd = _cond.init(jax.random.key(seed), config, num_heads, width=width)
   hd, _ = _cond.fit(config, params, hd, toks, lens, hid, sampling=sampling, steps=steps,
                     progress=progress)
