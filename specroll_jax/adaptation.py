@@ -24,7 +24,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Int
+from jaxtyping import Array, Float, Int
 
 from specroll_jax import head_kinds
 from specroll_jax import reflex as _reflex
@@ -71,6 +71,10 @@ class AdaptationState:
   reflex: ReflexGlobal
   slow: SlowPathState
   batches: Int[Array, ""]
+  # root-conditioned heads under Reflex: expected accepted nodes per row-step with the best n
+  # candidates (n = 0..capacity), averaged over the batches so far (what goodput.choose weighs);
+  # zeros until a batch has measured it, empty for Medusa heads
+  expected: Float[Array, " Nr"] = None
   config: AdaptationConfig = flax.struct.field(pytree_node=False, default=AdaptationConfig())
 
 
@@ -90,8 +94,10 @@ def init(config: AdaptationConfig, heads) -> AdaptationState:
   r = config.reflex
   slow = _slow.init(config.slow, heads, support_size=r.support_size,
                     num_candidates=r.max_candidates)
+  ranks = ReflexProposer(r).capacity + 1 if r.conditioned else 0
   return AdaptationState(heads=heads, reflex=_reflex.init_global(r), slow=slow,
-                         batches=jnp.int32(0), config=config)
+                         batches=jnp.int32(0), expected=jnp.zeros((ranks,), jnp.float32),
+                         config=config)
 
 
 def proposer(state: AdaptationState) -> tuple[Proposer, object]:
@@ -119,9 +125,16 @@ def after_rollout(state: AdaptationState, model_config, params, rollout,
   acc = np.where(proposed > 0, acc, np.nan)
   report["head_acceptance"] = acc.tolist()
   glob, heads, slow = state.reflex, state.heads, state.slow
+  expected = state.expected
   if not cfg.static_heads:
     report["reflex"] = _reflex.summarize(stats)
     glob = _reflex.end_batch(cfg.reflex, glob, stats)
+    n = int(stats.get("reflex_expected_n", 0))
+    if n > 0:  # a running mean over batches (equal weights: the estimates are calibrated)
+      e = np.asarray(stats["reflex_expected"], np.float64) / n
+      b = int(state.batches)
+      expected = jnp.asarray((np.asarray(expected) * b + e) / (b + 1), jnp.float32)
+      report["expected_by_nodes"] = e.tolist()
   report["safety"] = np.asarray(glob.safety).tolist()
   if cfg.slow.mode != "off":
     records = rollout.proposer_state.records
@@ -131,4 +144,5 @@ def after_rollout(state: AdaptationState, model_config, params, rollout,
     report["slow"] = slow_report
   jax.block_until_ready(jax.tree.leaves(heads))
   report["adaptation_seconds"] = time.perf_counter() - t0
-  return state.replace(heads=heads, reflex=glob, slow=slow, batches=state.batches + 1), report
+  return state.replace(heads=heads, reflex=glob, slow=slow, batches=state.batches + 1,
+                       expected=expected), report

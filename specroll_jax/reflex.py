@@ -207,6 +207,9 @@ class ReflexRows:
   ratio_sum: Float[Array, "R K"]
   lcb_sum: Float[Array, "R K"]
   lcb_n: Int[Array, "R K"]
+  # root-conditioned heads: expected accepted nodes of the last proposal's best n candidates
+  # (n = 0..capacity; ranked by the heads' own probabilities): what goodput weighs
+  expected: Float[Array, "R Nr"] | None = None
 
 
 @flax.struct.dataclass
@@ -470,7 +473,9 @@ class ReflexProposer(Proposer):
                            steps=jnp.zeros((r,), jnp.int32),
                            proposed=jnp.zeros((r,), jnp.int32), applied=zk,
                            ratio_sum=jnp.zeros((r, k), jnp.float32),
-                           lcb_sum=jnp.zeros((r, k), jnp.float32), lcb_n=zk)
+                           lcb_sum=jnp.zeros((r, k), jnp.float32), lcb_n=zk,
+                           expected=(jnp.zeros((r, self.capacity + 1), jnp.float32)
+                                     if cfg.conditioned else None))
     groups = -(-r // cfg.share_group) if share else 0
     recs = None
     if cfg.record_capacity > 0:
@@ -497,8 +502,9 @@ class ReflexProposer(Proposer):
     k = cfg.num_heads
     active = inp.budget > 0
     fast = self._view(rows, shared, inp.row)
+    expected = None
     if cfg.conditioned:
-      tr, z, zc, c, logits, ctx, eligible, ratio, low = self._propose_conditioned(
+      tr, z, zc, c, logits, ctx, eligible, ratio, low, expected = self._propose_conditioned(
           target, heads, glob, fast, inp, num_nodes, active)
     else:
       z, zc, c, eligible, ratio, low = corrected_head_states(target, heads, glob, cfg, fast,
@@ -556,7 +562,9 @@ class ReflexProposer(Proposer):
                         applied=rows.applied + eligible.astype(jnp.int32),
                         ratio_sum=rows.ratio_sum + jnp.where(eligible, ratio, 0.0),
                         lcb_sum=rows.lcb_sum + jnp.where(finite_low, low, 0.0),
-                        lcb_n=rows.lcb_n + finite_low.astype(jnp.int32))
+                        lcb_n=rows.lcb_n + finite_low.astype(jnp.int32),
+                        expected=(None if expected is None
+                                  else jnp.where(active[:, None], expected, 0.0)))
     return tr, (rows, shared)
 
   def _propose_conditioned(self, target, heads, glob: ReflexGlobal, fast: FastState, inp,
@@ -581,13 +589,14 @@ class ReflexProposer(Proposer):
     rh = self.ranked
     cands, (z, zc, logits, ctx) = rh.expand(target, rh.params(heads), inp.hidden, inp.root,
                                             num_nodes=num_nodes, correct=correct)
-    tr, _ = _tree.select(inp.root, cands, inp.budget, num_nodes=num_nodes, max_depth=k)
+    tr, sel = _tree.select(inp.root, cands, inp.budget, num_nodes=num_nodes, max_depth=k,
+                           ranks=self.capacity + 1)
     c = jnp.concatenate([bounded(i, z[:, i:i + 1]) for i in range(z.shape[1])], axis=1)
     pad = lambda x, v=0: jnp.pad(x, ((0, 0), (0, k - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
                                  constant_values=v)
     used = jnp.arange(k) < z.shape[1]
     return (tr, pad(z), pad(zc), pad(c), pad(logits), pad(ctx, -1), eligible & used[None],
-            ratio, low)
+            ratio, low, sel.expected)
 
   def update(self, target, params, state, fb):
     cfg = self.config
@@ -681,6 +690,10 @@ class ReflexProposer(Proposer):
         "reflex_gain_sq": per_head(jnp.where(applied, mt.gain * mt.gain, 0.0)),
         "reflex_gain_n": per_head(applied.astype(jnp.int32)),
     }
+    if cfg.conditioned:  # expected accepted nodes by tree size, for goodput
+      on = (rows.proposed > 0) & fb.active
+      stats["reflex_expected"] = jnp.where(on[:, None], rows.expected, 0.0).sum(0)
+      stats["reflex_expected_n"] = on.sum().astype(jnp.int32)
     zk = jnp.zeros_like(rows.applied)
     rows = rows.replace(pending=pend.replace(position=position), applied=zk,
                         proposed=jnp.zeros_like(rows.proposed),
@@ -688,13 +701,21 @@ class ReflexProposer(Proposer):
                         lcb_sum=jnp.zeros_like(rows.lcb_sum), lcb_n=zk)
     return (rows, shared), stats
 
+  def expected_gain(self, state, num_nodes: int):
+    rows = state[0]
+    if rows.expected is None:
+      return None
+    return rows.expected[:, min(num_nodes, self.capacity)]
+
   def init_stats(self):
     k = self.config.num_heads
     zi, zf = jnp.zeros((k,), jnp.int32), jnp.zeros((k,), jnp.float32)
     return {"reflex_row_head_steps": zi, "reflex_applied": zi, "reflex_ratio_sum": zf,
             "reflex_lcb_sum": zf, "reflex_lcb_n": zi, "reflex_matured": zi,
             "reflex_updates": zi, "reflex_tv_sum": zf, "reflex_hits": zi, "reflex_resets": zi,
-            "reflex_gain_sum": zf, "reflex_gain_sq": zf, "reflex_gain_n": zi}
+            "reflex_gain_sum": zf, "reflex_gain_sq": zf, "reflex_gain_n": zi,
+            **({"reflex_expected": jnp.zeros((self.capacity + 1,), jnp.float32),
+                "reflex_expected_n": jnp.int32(0)} if self.config.conditioned else {})}
 
 
 def summarize(stats) -> dict:
