@@ -73,7 +73,7 @@ class AdaptationState:
   batches: Int[Array, ""]
   # root-conditioned heads under Reflex: expected accepted nodes per row-step with the best n
   # candidates (n = 0..capacity), averaged over the batches so far (what goodput.choose weighs);
-  # zeros until a batch has measured it, empty for Medusa heads
+  # zeros until a batch has measured it (always zeros for Medusa heads)
   expected: Float[Array, " Nr"] = None
   config: AdaptationConfig = flax.struct.field(pytree_node=False, default=AdaptationConfig())
 
@@ -94,7 +94,7 @@ def init(config: AdaptationConfig, heads) -> AdaptationState:
   r = config.reflex
   slow = _slow.init(config.slow, heads, support_size=r.support_size,
                     num_candidates=r.max_candidates)
-  ranks = ReflexProposer(r).capacity + 1 if r.conditioned else 0
+  ranks = ReflexProposer(r).capacity + 1  # (orbax saves no empty array: Medusa keeps zeros)
   return AdaptationState(heads=heads, reflex=_reflex.init_global(r), slow=slow,
                          batches=jnp.int32(0), expected=jnp.zeros((ranks,), jnp.float32),
                          config=config)
