@@ -144,9 +144,17 @@ def fitted_cond_heads(config, params, tok: Tokenizer, model_path, *, num_heads: 
 
 
 def default_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int = 3,
-                  progress: bool = True):
-  """The heads shipped beside a model (``heads.safetensors``, e.g. the embedded default model's),
-  else heads fitted on the model's own T = 1 rollouts (``fitted_heads``, cached)."""
+                  progress: bool = True, conditioned: bool = False):
+  """The heads shipped beside a model: with ``conditioned``, the root-conditioned
+  ``cond_heads.safetensors`` when there is one; else the Medusa ``heads.safetensors`` (e.g. the
+  embedded default model's); else Medusa heads fitted on the model's own T = 1 rollouts
+  (``fitted_heads``, cached)."""
+  from specroll_jax import cond_heads as _cond
+  cond = Path(model_path) / "cond_heads.safetensors"
+  if conditioned and cond.exists():
+    hd = _cond.load(cond)
+    _cond.validate(config, hd, num_heads)
+    return hd
   shipped = Path(model_path) / "heads.safetensors"
   if shipped.exists():
     hd = _heads.load(shipped)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from specroll_jax import heads as H
+from specroll_jax import cond_heads as CH
 from specroll_jax import models
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,12 +24,14 @@ TIMING = "seconds"  # wall-clock fields differ between runs; every other metric 
 
 @pytest.fixture(scope="module")
 def job_model(trained_model, tmp_path_factory):
-  """(model folder, heads file) of the tiny test model."""
+  """(model folder, root-conditioned heads file) of the tiny test model."""
   d = tmp_path_factory.mktemp("job")
   config, params, tok = trained_model
   models.save_pretrained(d / "model", config, params)
   tok.save(d / "model")
-  H.save(d / "heads.safetensors", H.init(jax.random.key(0), config, 3, scale=0.05))
+  ch = CH.init(jax.random.key(0), config, 3, width=32)
+  ch = ch.replace(w_o=0.05 * jax.random.normal(jax.random.key(1), ch.w_o.shape))
+  CH.save(d / "heads.safetensors", ch)
   return d / "model", d / "heads.safetensors"
 
 
@@ -39,23 +41,32 @@ def _cmd(job_model, out, *extra):
           "--prompts", "2", "--group", "4", "--max-new-tokens", "24", "--out", str(out), *extra]
 
 
-def _env():
-  return dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+def _env(cache=None):
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1")
+  if cache is not None:  # the job's caches (e.g. the measured cost model) stay in the test's tmp
+    env["SPECROLL_CACHE"] = str(cache)
+  return env
 
 
 def test_one_step_end_to_end(job_model, tmp_path):
   out = tmp_path / "run"
-  proc = subprocess.run(_cmd(job_model, out, "--steps", "1"), capture_output=True, text=True,
-                        env=_env(), timeout=900)
+  proc = subprocess.run(_cmd(job_model, out, "--steps", "2", "--eval-prompts", "4",
+                             "--max-new-tokens", "16"),
+                        capture_output=True, text=True, env=_env(tmp_path / "cache"), timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
   assert summary["table"]["same_rewards"] and summary["table"]["max_param_diff"] < 1e-5
   for kind in ("specroll", "vanilla"):
     recs = [json.loads(x) for x in (out / kind / "metrics.jsonl").read_text().splitlines()]
-    assert len(recs) == 1 and recs[0]["logp_gap_max"] < 1e-4
+    assert len(recs) == 2 and all(r["logp_gap_max"] < 1e-4 for r in recs)
     assert (out / kind / "traces" / "zarr.json").exists()
+    held = summary["table"][kind]["held_out"]
+    assert 0 <= held["before"] <= 1 and 0 <= held["after"] <= 1
   assert (out / "gsm8k.png").stat().st_size > 10_000
-  assert "step 1/1" in proc.stdout  # one plain line per step in a log
+  assert "step 2/2" in proc.stdout  # one plain line per step in a log
+  assert proc.stdout.startswith("task: gsm8k")  # with --model, GSM8K is the default task
+  assert "goodput cost model" in proc.stdout  # measured once (cached in the test's tmp)
+  assert len(list((tmp_path / "cache" / "cost").glob("cost-*.json"))) == 1
 
 
 def _records(path):
@@ -78,7 +89,7 @@ def _final_params(out):
 
 
 def test_sigkill_mid_run_resumes_to_the_uninterrupted_run(job_model, tmp_path):
-  steps = ["--steps", "4", "--no-compare"]
+  steps = ["--steps", "4", "--no-compare", "--budget", "fixed"]
   full, cut = tmp_path / "full", tmp_path / "cut"
   proc = subprocess.run(_cmd(job_model, full, *steps), capture_output=True, text=True,
                         env=_env(), timeout=900)

@@ -55,6 +55,10 @@ class RunConfig:
   format_weight: reward bonus for a well-formed "#### N" line (the reward is 1 for a correct
     answer plus this).
   keep_checkpoints: complete checkpoints kept on disk.
+  goodput: "specroll" rollouts take their node counts per bucket from ``goodput.choose``: a cost
+    model of this machine measured once (``goodput.measure_cost`` over ``goodput_nodes``, cached)
+    and the acceptance the adaptation state has measured so far; ``spec`` serves until the first
+    measurement (a step that proposed). Where no tree pays, a bucket runs the plain step.
   """
 
   grpo: GRPOConfig = GRPOConfig()
@@ -73,6 +77,8 @@ class RunConfig:
   eval_every: int = 0
   eval_prompts: int = 64
   keep_checkpoints: int = 2
+  goodput: bool = False
+  goodput_nodes: tuple[int, ...] = (0, 1, 2, 4)
 
   def __post_init__(self):
     for name, lo in (("prompts_per_step", 1), ("max_new_tokens", 1), ("steps", 1),
@@ -153,6 +159,10 @@ class Run:
     if run.rollout == "specroll":  # placed like the parameters, for the same reason
       self.adapt = jax.device_put(_adapt.init(run.adaptation.for_sampling(self.sampling), heads),
                                   self.replicated)
+    self._compiled = {run.spec}  # speculative settings compiled so far (warm-up: run.spec)
+    self.cost = None
+    if run.goodput and run.rollout == "specroll":
+      self.cost = self._measure_cost(params)
     self.ckpt = Checkpointer(self.out / "checkpoints", max_to_keep=run.keep_checkpoints,
                              async_save=False)
     self.traces = TraceWriter(self.out / "traces", batch=run.rows, prompt_len=self.data.width,
@@ -185,13 +195,48 @@ class Run:
   def _saved(self):
     return {"train": self.state, "adaptation": self.adapt}
 
-  def rollout(self, params, toks, lens, sids, adapt=None):
+  def _settings(self):
+    from specroll_jax.config import DecodeSettings
+    from specroll_jax.kernels import Kernels
+    return DecodeSettings(sampling=self.sampling, max_new_tokens=self.run.max_new_tokens,
+                          cache_length=self.cache_length, kernels=Kernels.resolve(self.run.kernels))
+
+  def _measure_cost(self, params):
+    from specroll_jax import goodput
+    toks, lens, _, _ = self.batch(0)
+    prop, pp = _adapt.proposer(self.adapt)
+    rows = tuple(r for r, _ in self.run.spec.bucket_shapes(self.run.rows, prop.capacity))
+    t0 = time.perf_counter()
+    cost = goodput.measure_cost(self.config, params, prop, pp, toks, lens,
+                                settings=self._settings(), rows=rows,
+                                node_counts=self.run.goodput_nodes, progress=False)
+    self.log(f"goodput cost model ({cost.machine}; {time.perf_counter() - t0:.1f} s, cached): "
+             + "; ".join(f"{r} rows: " + " / ".join(f"{1e3 * s:.1f}" for s in row) + " ms"
+                         for r, row in zip(cost.rows, cost.seconds, strict=True))
+             + f" for {list(cost.node_counts)} nodes")
+    return cost
+
+  def spec(self) -> SpecConfig:
+    """The speculative settings of the next rollout (goodput's choice once acceptance has been
+    measured, else ``RunConfig.spec``)."""
+    if self.cost is None or self.adapt is None:
+      return self.run.spec
+    expected = np.asarray(self.adapt.expected, np.float64)
+    if expected.size == 0 or not expected[1:].any():
+      return self.run.spec
+    from specroll_jax import goodput
+    prop, _ = _adapt.proposer(self.adapt)
+    spec, _ = goodput.choose(self.cost, expected, self.run.rows, self.run.spec,
+                             capacity=prop.capacity)
+    return spec
+
+  def rollout(self, params, toks, lens, sids, adapt=None, spec=None):
     kw = dict(sampling=self.sampling, max_new_tokens=self.run.max_new_tokens, seed=self.run.seed,
               sample_ids=sids, eos_ids=self.tok.eos_ids, prompt_lengths=lens,
               cache_length=self.cache_length, kernels=self.run.kernels)
     if self.run.rollout == "specroll":
-      return _rollout.generate(self.config, params, toks, spec=self.run.spec, adaptation=adapt,
-                               **kw)
+      return _rollout.generate(self.config, params, toks, spec=spec or self.spec(),
+                               adaptation=adapt, **kw)
     if self.run.rollout == "static-heads":
       return _rollout.generate(self.config, params, toks, spec=self.run.spec, heads=self.heads,
                                **kw)
@@ -225,8 +270,13 @@ class Run:
     run, k = self.run, self.next_step
     g = run.grpo.group_size
     toks, lens, golds, sids = self.batch(k)
+    spec = self.spec()
+    if run.rollout == "specroll" and spec not in self._compiled:  # a new node choice compiles:
+      jax.block_until_ready(self.rollout(self.state.params, toks, lens, sids, self.adapt,
+                                         spec).tokens)  # once, untimed (the output is discarded)
+      self._compiled.add(spec)
     t_start = time.perf_counter()
-    out = self.rollout(self.state.params, toks, lens, sids, self.adapt)
+    out = self.rollout(self.state.params, toks, lens, sids, self.adapt, spec)
     jax.block_until_ready(out.tokens)
     t_roll = time.perf_counter() - t_start
     report = out.adaptation_report or {}
@@ -261,6 +311,8 @@ class Run:
         "reward_seconds": t_reward, "train_seconds": t_train,
         "step_seconds": time.perf_counter() - t_start,
         "head_acceptance": [float(x) for x in np.asarray(st.head_acceptance)],
+        "nodes": [n for _, n in spec.bucket_shapes(run.rows)] if run.rollout == "specroll"
+                 else [],
     }
     if report:
       rec["safety"] = report.get("safety")
