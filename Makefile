@@ -1,5 +1,6 @@
 # Bootstraps a virtual environment from python3 alone, then runs the main job or the tests.
 #   make run | make test                   Python 3.11 line (jax 0.10), .venv, full test extra
+#   make test-all                          make test, then the tests marked slow
 #   make test PY=python3.12 VENV=.venv312 EXTRAS=core-test TESTS="tests/test_sampling.py ..."
 PY ?= python3
 VENV ?= .venv
@@ -7,7 +8,7 @@ EXTRAS ?= test
 TESTS ?= tests
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: run test lint venv
+.PHONY: run test test-slow test-all lint venv
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +22,13 @@ run: $(STAMP)
 	$(VENV)/bin/python experiments/gsm8k.py $(ARGS)
 
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest $(TESTS) $(ARGS)
+	$(VENV)/bin/python -m pytest $(TESTS) -m "not slow" $(ARGS)
+
+test-slow: $(STAMP)
+	$(VENV)/bin/python -m pytest $(TESTS) -m slow $(ARGS)
+
+# everything: the fast suite, then the tests marked slow (CI runs this)
+test-all: test test-slow
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specroll_jax pallas_kernels experiments tests

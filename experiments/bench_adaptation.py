@@ -1,254 +1,796 @@
-"""Adaptation under a drifting target: static heads, Reflex, the slow path and both, side by side.
+"""SpecRoll's adaptation on real GRPO drift: the same GRPO policy sequence replayed by static heads,
+Reflex, the slow path, both, per-batch refits, a refit ceiling and group-aware lookup, side by side.
 
-  .venv/bin/python experiments/bench_adaptation.py --temperature 1.0 --out runs/bench_adapt_t1.json
+  .venv/bin/python experiments/bench_adaptation.py                      # GRPO policies, then replay
   .venv/bin/python experiments/bench_adaptation.py --temperature 0.7 --out runs/bench_adapt_t07.json
+  .venv/bin/python experiments/bench_adaptation.py --grpo-lr 1e-3 \\
+      --policies runs/bench_adaptation/policies_lr1e-3 --out runs/bench_adapt_lr1e-3.json
+  .venv/bin/python experiments/bench_adaptation.py --quick              # smoke run
 
-The target drifts between rollout batches the way a policy does in training: before batch b it
-takes --drift-steps AdamW steps of SFT on a fresh slice of GSM8K train (--drift-lr), starting from
-the embedded model. The drift is computed once; every arm sees the same target, the same GSM8K
-*test* prompts (fresh ones each batch) and the same seeds, so every arm commits the same tokens
-(checked) and only the speed differs. The heads of every arm start as the same heads, fitted once
-on the initial model's own rollouts. Arms:
+Phase 1, policies (--policies DIR). A GRPO run (``grpo.loop.Run``, vanilla rollouts at T = 1, the
+synthetic task at --level, --grpo-prompts x --grpo-group per step, --grpo-lr) from the embedded
+model (or --model) saves the policy's parameters with orbax (``checkpoint.Checkpointer``) at step 0
+and after every --save-every steps (and the last) into DIR; each checkpoint's meta names the model
+(folder, hash of config.json, fingerprint of the weights), the GRPO settings, the step and that
+step's GRPO metrics. The run's own state (train checkpoints, traces, metrics.jsonl) is in DIR/grpo.
+DIR holding the complete sequence for the same model and settings is reused; an interrupted one is
+resumed; checkpoints of other parameters (tree or shapes), of another model or of other settings
+are refused (one line naming --policies, exit 2).
 
-  (a) static      heads fitted once, never changed
-  (b) reflex      Reflex fast path only
-  (c) slow        slow path only ("degradation"; Reflex records but never corrects)
-  (d) both        Reflex + slow path ("degradation")
-  (e) scheduled   Reflex + slow path ("scheduled")
-  (f) every_batch slow path retraining every batch (FastGRPO-style), no Reflex corrections
-  (g) lookup      prompt lookup (n-gram copy), for reference
+Phase 2, replay. Batch b: --prompts fresh synthetic *test* prompts x --group (sample id = prompt
+index * G + member, ``pipeline.grpo_batch``), one fixed width, seed --seed, rolled out by policy b
+at --temperature. Every arm replays the same batches against the same policies, so every arm
+commits the vanilla tokens (checked: "same") and the arms differ only in how they propose. The
+heads arms start from the root-conditioned heads shipped beside the model (fitted on step 0's own
+rollouts) and propose with the same ranked expansion (``ReflexConfig``'s topk / beams / max_nodes,
+uncalibrated table); every arm runs the same ``SpecConfig`` (--node-budget, or --nodes per row).
 
-Per arm: tau per batch (PNG), mean tau, head acceptance per depth, the slow path's host time as a
-share of rollout time, the in-loop cost of Reflex (ms per verify forward vs the static arm), and
-the target's mean next-token entropy per batch. Compile is excluded (a warm-up call per arm).
+  (a) static       the shipped heads, never changed (``adaptation`` with corrections and the slow
+                   path off: the plain ``RankedHeads`` proposer)
+  (b) reflex       Reflex fast path only (slow path off)
+  (c) slow         slow path only ("degradation"; Reflex records but never corrects)
+  (d) both         SpecRoll: Reflex + slow path ("degradation")
+  (e) every_batch  slow path refitting every batch (FastGRPO-style), no Reflex corrections
+  (f) ceiling      heads fitted from scratch on each policy's own rollouts of synthetic *train*
+                   prompts (--ceiling-prompts, --ceiling-steps; every --ceiling-every-th policy,
+                   reused in between): the ceiling, not a method; fitting time is reported, not
+                   charged
+  (g) lookup       ``GroupLookup`` alone (own text + siblings, group_size = --group)
+  (h) merged       ``Merged(RankedHeads, GroupLookup)`` whose heads at batch b are arm (d)'s heads
+                   at batch b: (d)'s slow-path heads, *not* its in-loop Reflex corrections (the
+                   library has no Reflex + lookup proposer); (d) runs first
+(g) and (h) score with a table calibrated online (``calibration``) from the batches before (host
+time charged as adaptation); --no-calibration keeps the priors.
+
+Per batch and arm: tau, depth-1 acceptance, rollout seconds and adaptation host seconds apart, ms
+per target forward (the in-loop cost against (a)). Per policy: its mean KL to step 0 and its mean
+next-token entropy on the vanilla rollouts, and its parameters' relative change. Summary per arm:
+mean tau, tau over the first 5 / last 10 batches, recovery as a share of the (a)-(f) gap,
+(tau_arm - tau_static) / (tau_ceiling - tau_static), on the batches where the gap exceeds
+--min-gap, adaptation cost as a share of rollout time (in-loop and host apart). Goals, printed as
+PASS / MISS (SKIP when an arm they need was not run): (d) recovers >= 50% of the gap where it
+exceeds --min-gap; (d) >= max((b), (c)) in mean tau; (d)'s adaptation <= 5% of its rollout time.
+A gap that never exceeds --min-gap is reported as drift that did not stale the heads. Compile is
+excluded (a warm-up call per arm; the slow path's refresh compile is reported apart). Writes JSON
+and a PNG beside it (tau per batch per arm; KL to step 0 and entropy per policy; recovered share).
+
+Cost on 2 CPU cores: a ceiling fit at the defaults (512 prompts, 1500 steps) takes about 50 s,
+once per --ceiling-every-th replayed policy (default every 2nd). --quick: 2 GRPO steps of 2 x 4
+saved at every step (3 policies), 3 batches of 2 x 2, 24 tokens, arms static, both, ceiling
+(16 prompts, 20 steps), lookup; its policies go to --policies (default ..._quick).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
+import hashlib
 import json
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from specroll_jax import adaptation as A
-from specroll_jax import cli, pipeline, rollout, sft
+from specroll_jax import calibration, cli, pipeline, rollout
+from specroll_jax import cond_heads as CH
 from specroll_jax import slow_path as SP
+from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.data import gsm8k
-from specroll_jax.grpo import trainer_logprobs
+from specroll_jax.data import synthetic as _synthetic
+from specroll_jax.data.tasks import Task
+from specroll_jax.grpo import logprobs as _logprobs
+from specroll_jax.models import decoder as _dec
 from specroll_jax.progress import progress_range
-from specroll_jax.proposers import PromptLookup
-from specroll_jax.reflex import ReflexConfig
+from specroll_jax.proposers.group_lookup import GroupLookup
+from specroll_jax.proposers.merged import Merged
+from specroll_jax.reflex import ReflexConfig, ReflexProposer
+from specroll_jax.sampling import allowed_logits
 
-ARMS = ("static", "reflex", "slow", "both", "scheduled", "every_batch", "lookup")
-
-
-def slow_config(args, mode: str) -> SP.SlowPathConfig:
-  """CPU-sized windows (tens of batches, not thousands) and a learning rate for a tiny model's
-  heads (the DESIGN default 1e-5 is for 1.5B-parameter heads trained at ~1e-4)."""
-  return SP.SlowPathConfig.for_tests(mode=mode, learning_rate=args.slow_lr,
-                                     calibration_batches=args.calibration)
-
-
-def arm_setup(args, arm: str, heads, sampling):
-  """(kwargs for generate, adaptation state or None)."""
-  spec = rollout.SpecConfig(node_budget=args.node_budget)
-  reflex = ReflexConfig(topk=spec.topk)
-  off = ReflexConfig(topk=spec.topk, apply_corrections=False)
-  cfgs = {"reflex": (reflex, "off"), "slow": (off, "degradation"), "both": (reflex, "degradation"),
-          "scheduled": (reflex, "scheduled"), "every_batch": (off, "every_batch")}
-  if arm == "static":
-    return dict(spec=spec, heads=heads), None
-  if arm == "lookup":
-    return dict(spec=spec, proposer=PromptLookup(), proposer_params=()), None
-  rc, mode = cfgs[arm]
-  ac = A.AdaptationConfig(reflex=rc, slow=slow_config(args, mode)).for_sampling(sampling)
-  return dict(spec=spec), A.init(ac, heads)
+ARMS = ("static", "reflex", "slow", "both", "every_batch", "ceiling", "lookup", "merged")
+QUICK_ARMS = ("static", "both", "ceiling", "lookup")
+# the adaptation arms: (Reflex corrections, slow-path mode)
+ADAPT = {"static": (False, "off"), "reflex": (True, "off"), "slow": (False, "degradation"),
+         "both": (True, "degradation"), "every_batch": (False, "every_batch")}
+GRPO_TEMPERATURE = 1.0
+DEFAULT_POLICIES = "runs/bench_adaptation/policies"
 
 
-def drift_targets(config, params, tok, args) -> list:
-  """params of batch 0..B-1: batch b's target has taken b * drift_steps SFT steps."""
-  exs = gsm8k.load("train")[2000:]  # fresh slices, away from the prompts the heads were fit on
-  tokens, mask, _ = sft.encode_examples(tok, exs, 288)
-  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(args.drift_lr, weight_decay=0.01))
-  opt = tx.init(params)
-  update = sft._update_fn(config, tx)
-  out = [params]
-  rng = np.random.default_rng(args.seed)
-  for _ in progress_range(args.batches - 1, "drift the target"):
-    for _ in range(args.drift_steps):
-      idx = rng.integers(0, len(tokens), 16)
-      params, opt, _ = update(params, opt, jnp.asarray(tokens[idx]), jnp.asarray(mask[idx]))
-    out.append(params)
-  return out
-
-
-def main(argv=None):
+def parse(argv):
   ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--model", default=None)
-  ap.add_argument("--temperature", type=float, default=1.0)
-  ap.add_argument("--batches", type=int, default=30)
-  ap.add_argument("--prompts", type=int, default=4)
-  ap.add_argument("--group", type=int, default=4)
-  ap.add_argument("--max-new-tokens", type=int, default=128)
-  ap.add_argument("--drift-steps", type=int, default=3)
-  ap.add_argument("--drift-lr", type=float, default=2e-3)
+  ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
+  ap.add_argument("--policies", default=None,
+                  help=f"the policy sequence's folder (default {DEFAULT_POLICIES}, "
+                       "+ '_quick' with --quick)")
+  ap.add_argument("--grpo-steps", type=int, default=50)
+  ap.add_argument("--save-every", type=int, default=5, help="save the policy every n GRPO steps")
+  ap.add_argument("--grpo-lr", type=float, default=3e-4)
+  ap.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
+  ap.add_argument("--grpo-group", type=int, default=8, help="GRPO responses per prompt")
+  ap.add_argument("--grpo-max-new-tokens", type=int, default=48)
+  ap.add_argument("--level", type=int, default=0,
+                  help="synthetic difficulty level (the main job's: 0)")
+  ap.add_argument("--temperature", type=float, default=1.0, help="replay sampling temperature")
+  ap.add_argument("--batches", type=int, default=None,
+                  help="replayed batches = policies 0..n-1 (default: every saved policy)")
+  ap.add_argument("--prompts", type=int, default=4, help="benchmark prompts per batch")
+  ap.add_argument("--group", type=int, default=8, help="benchmark responses per prompt")
+  ap.add_argument("--max-new-tokens", type=int, default=48)
   ap.add_argument("--slow-lr", type=float, default=1e-3)
   ap.add_argument("--calibration", type=int, default=6, help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=32)
+  ap.add_argument("--nodes", type=int, default=None,
+                  help="nodes per row in every bucket (overrides --node-budget)")
   ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  ap.add_argument("--ceiling-prompts", type=int, default=512)
+  ap.add_argument("--ceiling-steps", type=int, default=1500)
+  ap.add_argument("--ceiling-every", type=int, default=2,
+                  help="fit the ceiling's heads on every k-th policy (reused in between)")
+  ap.add_argument("--min-gap", type=float, default=0.05,
+                  help="recovery counts batches where tau_ceiling - tau_static exceeds this")
+  ap.add_argument("--no-calibration", action="store_true",
+                  help="lookup / merged score with their prior tables")
   ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", default="runs/bench_adaptation.json")
-  ap.add_argument("--quick", action="store_true", help="3 batches, 2 arms, short rollouts")
+  ap.add_argument("--out", default=None,
+                  help="JSON path (default runs/bench_adaptation.json, _quick with --quick)")
+  ap.add_argument("--quick", action="store_true",
+                  help="smoke run: 2 GRPO steps, 3 batches of 2 x 2, 24 tokens, 4 arms")
   a = ap.parse_args(argv)
-  cli.require(a, batches=2, prompts=1, group=1, max_new_tokens=1, drift_steps=0, node_budget=0,
-              calibration=1)
+  cli.require(a, grpo_steps=1, save_every=1, grpo_prompts=1, grpo_group=2,
+              grpo_max_new_tokens=1, level=0, batches=2, prompts=1, group=1, max_new_tokens=1,
+              calibration=1, node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
+              ceiling_every=1, min_gap=0.0, seed=0)
   if not 0 <= a.temperature < float("inf"):
     cli.fail("--temperature", a.temperature, "must be a finite number >= 0")
-  if not (a.drift_lr >= 0 and a.slow_lr > 0):
-    cli.fail("--drift-lr/--slow-lr", (a.drift_lr, a.slow_lr), "must be >= 0 / > 0")
+  if not (a.grpo_lr > 0 and a.grpo_lr < float("inf")):
+    cli.fail("--grpo-lr", a.grpo_lr, "must be a finite number > 0")
+  if not (a.slow_lr > 0 and a.slow_lr < float("inf")):
+    cli.fail("--slow-lr", a.slow_lr, "must be a finite number > 0")
+  try:
+    _synthetic.Difficulty.from_level(a.level)
+  except ValueError as e:
+    cli.fail("--level", a.level, _one_line(e))
+  if a.model is not None and not Path(a.model).is_dir():
+    cli.fail("--model", a.model, "is not a folder (a Hugging Face model folder is expected)")
   if a.quick:
-    a.batches, a.max_new_tokens, a.arms, a.calibration = 3, 32, ["static", "both"], 1
+    a.grpo_steps, a.save_every, a.grpo_prompts, a.grpo_group, a.grpo_max_new_tokens = 2, 1, 2, 4, 24
+    a.batches, a.prompts, a.group, a.max_new_tokens = 3, 2, 2, 24
+    a.arms, a.ceiling_prompts, a.ceiling_steps, a.calibration = list(QUICK_ARMS), 16, 20, 1
+  suffix = "_quick" if a.quick else ""
+  a.policies = a.policies or DEFAULT_POLICIES + suffix
+  a.out = a.out or f"runs/bench_adaptation{suffix}.json"
+  if Path(a.policies).exists() and not Path(a.policies).is_dir():
+    cli.fail("--policies", a.policies, "exists and is not a folder")
+  if Path(a.out).is_dir():
+    cli.fail("--out", a.out, "is a folder (a .json file path is expected)")
+  n = len(policy_steps(a))
+  if a.batches is None:
+    a.batches = n
+  if a.batches > n:
+    cli.fail("--batches", a.batches, f"the GRPO run saves {n} policies (--grpo-steps "
+             f"{a.grpo_steps}, --save-every {a.save_every}); replay at most {n}")
+  arms = [x for x in ARMS if x in set(a.arms)]
+  if "merged" in arms and "both" not in arms:
+    print("arm merged takes arm both's heads: running both too", flush=True)
+    arms.insert(arms.index("merged"), "both")
+    arms = [x for x in ARMS if x in set(arms)]
+  a.arms = arms
+  return a
+
+
+def _one_line(e) -> str:
+  return " ".join(str(e).split())
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 1: the policy sequence
+
+
+def policy_steps(a) -> list[int]:
+  """GRPO steps whose policy is saved: 0, every --save-every-th and the last."""
+  return sorted(set(range(0, a.grpo_steps + 1, a.save_every)) | {a.grpo_steps})
+
+
+def grpo_settings(a) -> dict:
+  return {"task": "synthetic", "level": a.level, "steps": a.grpo_steps, "save_every": a.save_every,
+          "learning_rate": a.grpo_lr, "prompts_per_step": a.grpo_prompts, "group": a.grpo_group,
+          "max_new_tokens": a.grpo_max_new_tokens, "temperature": GRPO_TEMPERATURE,
+          "seed": a.seed, "rollout": "vanilla"}
+
+
+def model_identity(params, path) -> dict:
+  """The model folder, a hash of its config.json and a fingerprint of its weights (every leaf's
+  path, shape, dtype and first 4096 values)."""
+  cfg = hashlib.sha1((Path(path) / "config.json").read_bytes()).hexdigest()[:16]
+  h = hashlib.sha1()
+  for kp, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    x = np.asarray(jnp.ravel(leaf)[:4096])
+    h.update(f"{jax.tree_util.keystr(kp)} {np.shape(leaf)} {x.dtype}".encode())
+    h.update(np.ascontiguousarray(x).tobytes())
+  return {"path": str(Path(path).resolve()), "config_hash": cfg, "weights_hash": h.hexdigest()[:16]}
+
+
+class Policies:
+  """The saved policy sequence; ``get(i)`` restores policy i (kept in memory when all fit in a few
+  GiB)."""
+
+  def __init__(self, ckpt: Checkpointer, steps: list[int], like, metas: dict):
+    self.ckpt, self.steps, self.like, self.metas = ckpt, steps, like, metas
+    nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(like))
+    self.keep_all = nbytes * len(steps) < 4 * 2 ** 30
+    self._cache = {}
+
+  def get(self, i: int):
+    if i not in self._cache:
+      if not self.keep_all:
+        self._cache.clear()
+      self._cache[i] = self.ckpt.restore(self.steps[i], like=self.like)[0]
+    return self._cache[i]
+
+
+def ensure_policies(a, config, params, tok, ident) -> Policies:
+  """The policy sequence of --policies: reused when complete, resumed when interrupted, else made
+  by a GRPO run. Refuses (exit 2) checkpoints of other parameters, models or settings."""
+  d = Path(a.policies)
+  want, settings = policy_steps(a), grpo_settings(a)
+  like = jax.tree.map(jnp.asarray, params)
+  bad = lambda why: cli.fail("--policies", a.policies, why)
+  try:
+    ck = Checkpointer(d, max_to_keep=None, async_save=False)
+    have = ck.all_steps()
+  except Exception as e:  # noqa: BLE001 (an unreadable folder: one line, exit 2)
+    bad(f"cannot be read as a policy checkpoint folder: {_one_line(e)}")
+  for s in sorted({have[0], have[-1]}) if have else []:
+    try:
+      ck.restore(s, like=like)
+    except Exception as e:  # noqa: BLE001
+      bad(f"holds checkpoints whose params do not match the model {ident['path']} (step {s}): "
+          f"{_one_line(e)[:400]}")
+  metas = {}
+  for s in have:
+    m = ck.restore_meta(s)
+    mm = m.get("model") or {}
+    if (mm.get("config_hash"), mm.get("weights_hash")) != (ident["config_hash"],
+                                                           ident["weights_hash"]):
+      bad(f"step {s} was saved from another model ({mm.get('path')}, config "
+          f"{mm.get('config_hash')}, weights {mm.get('weights_hash')}), not {ident['path']} "
+          f"(config {ident['config_hash']}, weights {ident['weights_hash']}); use another folder")
+    if m.get("grpo") != settings:
+      other = m.get("grpo") or {}
+      diff = {k: other.get(k) for k in sorted(set(settings) | set(other))
+              if other.get(k) != settings.get(k)}
+      bad(f"holds a policy sequence with other GRPO settings {diff} (this run: "
+          f"{ {k: settings.get(k) for k in diff} }); use another folder or those settings")
+    metas[s] = m
+  if set(have) - set(want):
+    bad(f"holds steps {sorted(set(have) - set(want))} that these settings never save")
+  if have == want:
+    print(f"policies: reusing the {len(want)} saved policies in {d} (GRPO steps 0..{want[-1]} "
+          f"every {a.save_every}, lr {a.grpo_lr}; same model and settings)", flush=True)
+    return Policies(ck, want, like, metas)
+  run_grpo(a, config, params, tok, ident, ck, have, want, metas)
+  return Policies(ck, want, like, metas)
+
+
+def run_grpo(a, config, params, tok, ident, ck, have, want, metas) -> None:
+  from specroll_jax.grpo import GRPOConfig
+  from specroll_jax.grpo.loop import Run, RunConfig
+  sampling = rollout.SamplingConfig(temperature=GRPO_TEMPERATURE)
+  cfg = RunConfig(grpo=GRPOConfig(group_size=a.grpo_group, learning_rate=a.grpo_lr,
+                                  sampling=sampling),
+                  task=Task(name="synthetic", level=a.level), prompts_per_step=a.grpo_prompts,
+                  max_new_tokens=a.grpo_max_new_tokens, steps=a.grpo_steps, seed=a.seed,
+                  rollout="vanilla")
+  resume = bool(have)
+  try:
+    r = Run(cfg, config, params, tok, None, Path(a.policies) / "grpo", resume=resume,
+            log=lambda m: print(f"GRPO: {m}", flush=True))
+  except ValueError as e:
+    cli.fail("--policies", a.policies, _one_line(e))
+  n = r.next_step  # updates done
+  if not ({s for s in want if s < n} <= set(have) <= {s for s in want if s <= n}):
+    r.close()
+    cli.fail("--policies", a.policies, f"holds policies {have} that do not match its GRPO run "
+             f"(next step {n}); remove the folder")
+  print(f"policies: GRPO on the synthetic task (level {a.level}), {a.grpo_prompts} x "
+        f"{a.grpo_group} per step, lr {a.grpo_lr}, {a.grpo_max_new_tokens} tokens; saving steps "
+        f"{want[0]}..{want[-1]} every {a.save_every} into {a.policies}"
+        + (f" (resumed at step {n})" if resume else ""), flush=True)
+  meta = lambda s, rec: {"step": s, "model": ident, "grpo": grpo_settings(a), "metrics": None
+                         if rec is None else {k: rec[k] for k in (
+                             "reward_mean", "accuracy", "groups_mixed", "entropy", "mean_length",
+                             "grad_norm")}}
+  for s, state in ((0, params), (n, r.state.params)):
+    if s in want and s not in have:  # step 0, or the step an interruption left unsaved
+      metas[s] = meta(s, None)
+      ck.save(s, state, metas[s])
+      have = sorted([*have, s])
+  rewards = []
+  for _ in progress_range(cfg.steps - n, "GRPO steps"):
+    rec = r.step()
+    rewards.append(rec["reward_mean"])
+    s = rec["step"] + 1
+    if s in want:
+      metas[s] = meta(s, rec)
+      ck.save(s, r.state.params, metas[s])
+  r.close()
+  if rewards:
+    print(f"GRPO: reward first {min(3, len(rewards))} {np.mean(rewards[:3]):.3f} -> last "
+          f"{min(3, len(rewards))} {np.mean(rewards[-3:]):.3f}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Phase 2: replay
+
+
+@functools.partial(jax.jit, static_argnames=("config", "sampling"))
+def policy_scores(params, ref, prompts, prompt_lengths, tokens, lengths, *, config, sampling):
+  """Mean next-token entropy of ``params`` and its mean KL(params || ref) over the response
+  tokens (the sampling rule's distributions, teacher forced as the trainer does)."""
+  seq, pos, mask, anchors = _logprobs.sequences(prompts, prompt_lengths, tokens, lengths)
+
+  def logp(p):
+    out = _dec.step(config, p, seq, pos, None, mask, compute_logits=False)
+    h = jnp.take_along_axis(out.hidden, anchors[..., None], axis=1)
+    return jax.nn.log_softmax(allowed_logits(_dec.logits_from_hidden(config, p, h), sampling), -1)
+
+  lp, lq = logp(params), logp(ref)
+  pr = jnp.exp(lp)
+  ent = -jnp.sum(jnp.where(pr > 0, pr * lp, 0.0), -1)
+  kl = jnp.sum(jnp.where(pr > 0, pr * (lp - lq), 0.0), -1)
+  live = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
+  n = jnp.maximum(live.sum(), 1)
+  return jnp.where(live, ent, 0.0).sum() / n, jnp.where(live, kl, 0.0).sum() / n
+
+
+def param_change(params, ref) -> float:
+  """||params - ref|| / ||ref|| over every leaf."""
+  num = sum(float(jnp.sum((jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32)) ** 2))
+            for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(ref), strict=True))
+  den = sum(float(jnp.sum(jnp.asarray(y, jnp.float32) ** 2)) for y in jax.tree.leaves(ref))
+  return float(np.sqrt(num / max(den, 1e-30)))
+
+
+def replay_batches(a, tok, task):
+  """[(prompts [B, W], sample ids [B], prompt lengths [B])] per batch: fresh test prompts each
+  batch, one width for all."""
+  exs = task.examples("test")
+  ids = tok.encode_batch([gsm8k.format_prompt(exs[i % len(exs)].question)
+                          for i in range(a.batches * a.prompts)])
+  width = rollout.pad_prompts(ids)[0].shape[1]
+  out = []
+  for b in range(a.batches):
+    rows, sids = pipeline.grpo_batch(ids[b * a.prompts:(b + 1) * a.prompts], a.group,
+                                     first_prompt_index=b * a.prompts)
+    arr, lens = rollout.pad_prompts(rows, width)
+    out.append((arr, sids, lens))
+  return out, width
+
+
+def slow_config(a, mode: str) -> SP.SlowPathConfig:
+  """CPU-sized windows (tens of batches, not thousands) and a learning rate for a tiny model's
+  heads (the DESIGN default 1e-5 is for 1.5B-parameter heads trained at ~1e-4)."""
+  return SP.SlowPathConfig.for_tests(mode=mode, learning_rate=a.slow_lr,
+                                     calibration_batches=a.calibration)
+
+
+def _commit(tree):
+  """``tree`` committed to the first device, like the restored policies and everything computed
+  from them: a jitted call whose arguments change from uncommitted to committed compiles again
+  (the adaptation state is uncommitted when built, committed once a batch has updated it)."""
+  return jax.device_put(tree, jax.devices()[0])
+
+
+def _release():
+  """Drop compiled programs no later arm reuses: each speculative rollout program holds ~3k memory
+  mappings (XLA:CPU maps every kernel), and one process may hold 65530."""
+  import gc
+  jax.clear_caches()
+  gc.collect()
+
+
+class AdaptArm:
+  """An arm carried by ``adaptation`` (heads + Reflex + slow path, or the static heads)."""
+
+  def __init__(self, state, keep_heads: bool):
+    self.state = state
+    self.heads = [] if keep_heads else None  # the heads each batch proposed with (arm merged)
+
+  def kwargs(self, b):
+    return {"adaptation": self.state}, 0.0
+
+  def warm(self, out) -> None:
+    """Nothing more to warm up: the warm-up rollout ran ``after_rollout`` (its state dropped)."""
+
+  def after(self, out) -> tuple[float, float, dict]:
+    """(host seconds, compile seconds, report) of the batch just rolled out."""
+    if self.heads is not None:
+      self.heads.append(self.state.heads)
+    self.state = out.adaptation
+    rep = out.adaptation_report
+    slow = rep.get("slow") or {}
+    comp = float(slow.get("compile_seconds") or 0.0)
+    info = {"reflex": rep.get("reflex"), "safety": rep.get("safety")}
+    if slow:
+      info["slow"] = {k: slow.get(k) for k in ("decision", "heads", "kept", "rolled_back",
+                                               "refresh_seconds")}
+    return float(rep["adaptation_seconds"]) - comp, comp, info
+
+
+class ProposerArm:
+  """A fixed proposer whose parameters come per batch from ``make(b, table)``; with a calibration,
+  the table is updated on the host after every batch (its time charged as adaptation)."""
+
+  def __init__(self, proposer, make, calibrate: bool):
+    self.proposer, self.make = proposer, make
+    self.cal = calibration.init(proposer.default_acceptance()) if calibrate else None
+
+  def kwargs(self, b):
+    t0 = time.perf_counter()
+    table = None if self.cal is None else self.cal.table()
+    pp = _commit(self.make(b, table))
+    return {"proposer": self.proposer, "proposer_params": pp}, time.perf_counter() - t0
+
+  def warm(self, out) -> None:
+    """Run the calibration update once on the warm-up rollout (result dropped): its first call
+    compiles eager ops."""
+    if self.cal is not None:
+      jax.block_until_ready(self.cal.update(out.stats.spec.proposer).table())
+
+  def after(self, out) -> tuple[float, float, dict]:
+    t0 = time.perf_counter()
+    if self.cal is not None:
+      self.cal = self.cal.update(out.stats.spec.proposer)
+    return time.perf_counter() - t0, 0.0, {}
+
+
+def fit_ceilings(a, config, policies, tok, task, sampling, heads0) -> tuple[list, list, list]:
+  """(heads, fit seconds, final per-head soft CE) per batch: heads fitted from scratch on policy
+  b's own rollouts of the task's *train* prompts, every --ceiling-every-th policy."""
+  heads, secs, ce = [], [], []
+  for b in progress_range(a.batches, f"ceiling: fit heads on policies' own rollouts "
+                                     f"({a.ceiling_prompts} prompts, {a.ceiling_steps} steps)"):
+    if b % a.ceiling_every:
+      heads.append(heads[-1])
+      secs.append(0.0)
+      ce.append(ce[-1])
+      continue
+    t0 = time.perf_counter()
+    params = policies.get(b)
+    toks, lens, hid = pipeline.self_rollouts(config, params, tok, num_prompts=a.ceiling_prompts,
+                                             max_new_tokens=a.max_new_tokens, sampling=sampling,
+                                             seed=a.seed + 1, chunk=64, task=task)
+    hd = CH.init(jax.random.key(a.seed + 1234), config, heads0.num_heads, width=heads0.width)
+    hd, hist = CH.fit(config, params, hd, toks, lens, hid, sampling=sampling,
+                      steps=a.ceiling_steps, progress=False)
+    heads.append(hd)
+    secs.append(time.perf_counter() - t0)
+    ce.append(np.asarray(hist[-1]).tolist())
+  return heads, secs, ce
+
+
+def _nan_to_none(xs):
+  return [None if not np.isfinite(x) else float(x) for x in xs]
+
+
+def main(argv=None):
+  a = parse(argv)
   try:
     config, params, tok, path = pipeline.load_model(a.model)
   except ValueError as e:
-    cli.fail("--model", a.model, str(e))
-  heads = pipeline.default_heads(config, params, tok, path)
+    cli.fail("--model", a.model, _one_line(e))
+  ident = model_identity(params, path)
+  policies = ensure_policies(a, config, params, tok, ident)
+  _release()
+  task = Task(name="synthetic", level=a.level)
   sampling = rollout.SamplingConfig(temperature=a.temperature)
-  t0 = time.perf_counter()
-  targets = drift_targets(config, params, tok, a)
-  drift_s = time.perf_counter() - t0
-  exs = gsm8k.load("test")
-  ids = [[tok.encode(gsm8k.format_prompt(e.question))
-          for e in exs[(b * a.prompts) % len(exs):][: a.prompts]] for b in range(a.batches)]
-  # one fixed width for every batch (the same shapes: one compile per arm)
-  width = rollout.pad_prompts([p for chunk in ids for p in chunk])[0].shape[1]
-  batches = []
-  for b in range(a.batches):
-    rows, sids = pipeline.grpo_batch(ids[b], a.group, first_prompt_index=b * a.prompts)
-    arr, lens = rollout.pad_prompts(rows, width)
-    batches.append((arr, sids, lens))
+  heads0 = pipeline.default_heads(config, params, tok, path, conditioned=True)
+  if not isinstance(heads0, CH.CondHeads):  # every heads arm uses root-conditioned heads
+    print(f"note: {path} ships no root-conditioned heads: fitting them on step 0's own rollouts "
+          f"({a.ceiling_prompts} synthetic train prompts, {a.ceiling_steps} steps; cached)",
+          flush=True)
+    heads0 = pipeline.fitted_cond_heads(config, params, tok, path, num_prompts=a.ceiling_prompts,
+                                        max_new_tokens=a.max_new_tokens, sampling=sampling,
+                                        steps=a.ceiling_steps, task=task)
+  n_buckets = len(rollout.SpecConfig().bucket_fractions)
+  spec = rollout.SpecConfig(node_budget=a.node_budget,
+                            nodes=None if a.nodes is None else (a.nodes,) * n_buckets)
+  rcfg = ReflexConfig(topk=spec.topk, conditioned=True)
+  batches, width = replay_batches(a, tok, task)
   kw = lambda b: dict(sampling=sampling, max_new_tokens=a.max_new_tokens, seed=a.seed,
                       sample_ids=batches[b][1], eos_ids=tok.eos_ids,
                       prompt_lengths=batches[b][2], cache_length=width + a.max_new_tokens)
-  # the vanilla rollouts: reference tokens and the target's entropy along them
-  ref, entropy, van_s = [], [], []
-  for b in progress_range(a.batches, "vanilla + entropy"):
+  # vanilla: the reference tokens, the policies' entropy and KL to step 0 along them
+  ref, van_s, pol = [], [], []
+  p0 = policies.get(0)
+  for b in progress_range(a.batches, "vanilla rollouts + KL / entropy per policy"):
+    pb = policies.get(b)
     if b == 0:  # compile
-      jax.block_until_ready(rollout.generate(config, targets[b], batches[b][0], **kw(b)).tokens)
+      jax.block_until_ready(rollout.generate(config, pb, batches[b][0], **kw(b)).tokens)
     t = time.perf_counter()
-    out = rollout.generate(config, targets[b], batches[b][0], **kw(b))
+    out = rollout.generate(config, pb, batches[b][0], **kw(b))
     jax.block_until_ready(out.tokens)
     van_s.append(time.perf_counter() - t)
     ref.append((np.asarray(out.tokens), np.asarray(out.lengths)))
-    sc = trainer_logprobs(config, targets[b], jnp.asarray(batches[b][0]),
-                          jnp.asarray(batches[b][2]), out.tokens, out.lengths, sampling)
-    m = np.arange(out.tokens.shape[1])[None] < np.asarray(out.lengths)[:, None]
-    entropy.append(float((np.asarray(sc.entropy) * m).sum() / m.sum()))
-  results = {}
+    ent, kl = policy_scores(pb, p0, jnp.asarray(batches[b][0]), jnp.asarray(batches[b][2]),
+                            out.tokens, out.lengths, config=config, sampling=sampling)
+    m = policies.metas[policies.steps[b]]
+    pol.append({"index": b, "step": policies.steps[b], "kl_to_step0": float(kl),
+                "entropy": float(ent), "param_change": param_change(pb, p0),
+                "grpo": m.get("metrics")})
+  _release()
+  ceiling = None
+  if "ceiling" in a.arms:
+    c_heads, c_secs, c_ce = fit_ceilings(a, config, policies, tok, task, sampling, heads0)
+    ceiling = {"fit_seconds": c_secs, "final_soft_ce": c_ce, "every": a.ceiling_every,
+               "prompts": a.ceiling_prompts, "steps": a.ceiling_steps}
+    _release()
+  ranked = ReflexProposer(rcfg).ranked
+  gl = GroupLookup(group_size=a.group)
+  mg = Merged(heads=ranked, lookup=gl, max_nodes=rcfg.max_nodes)
+  calibrate = not a.no_calibration
+  results, warmup_s, both_heads = {}, {}, None
   for arm in a.arms:
-    gen_kw, state = arm_setup(a, arm, heads, sampling)
-    warm = rollout.generate(config, targets[0], batches[0][0], **gen_kw, **kw(0),
-                            **({"adaptation": state} if state is not None else {}))
+    if arm in ADAPT:
+      corr, mode = ADAPT[arm]
+      ac = A.AdaptationConfig(reflex=dataclasses.replace(rcfg, apply_corrections=corr),
+                              slow=slow_config(a, mode)).for_sampling(sampling)
+      runner = AdaptArm(_commit(A.init(ac, heads0)),
+                        keep_heads=arm == "both" and "merged" in a.arms)
+    elif arm == "ceiling":
+      runner = ProposerArm(ranked, lambda b, t: ranked.params(c_heads[b]), calibrate=False)
+    elif arm == "lookup":
+      runner = ProposerArm(gl, lambda b, t: gl.context(
+          None if t is None else t.reshape(gl.acceptance_shape)), calibrate=calibrate)
+    else:  # merged: arm both's heads at batch b
+      runner = ProposerArm(mg, lambda b, t, hs=both_heads: mg.params(hs[b], t),
+                           calibrate=calibrate)
+    gk, _ = runner.kwargs(0)
+    t = time.perf_counter()  # warm-up (compile); its output state is discarded
+    warm = rollout.generate(config, policies.get(0), batches[0][0], spec=spec, **gk, **kw(0))
     jax.block_until_ready(warm.tokens)
+    runner.warm(warm)
+    warmup_s[arm] = time.perf_counter() - t
+    del warm
     rec = []
     for b in progress_range(a.batches, f"arm {arm}"):
-      extra = {"adaptation": state} if state is not None else {}
+      pb = policies.get(b)
+      gk, host_before = runner.kwargs(b)
       t = time.perf_counter()
-      out = rollout.generate(config, targets[b], batches[b][0], **gen_kw, **kw(b), **extra)
+      out = rollout.generate(config, pb, batches[b][0], spec=spec, **gk, **kw(b))
       jax.block_until_ready(out.tokens)
       sec = time.perf_counter() - t
+      in_gen = float((out.adaptation_report or {}).get("adaptation_seconds", 0.0))
+      host, comp, info = runner.after(out)
+      st = out.stats
+      acc = np.where(np.asarray(st.head_proposed) > 0, np.asarray(st.head_acceptance), np.nan)
       same = bool((np.asarray(out.tokens) == ref[b][0]).all()
                   and (np.asarray(out.lengths) == ref[b][1]).all())
-      rep = out.adaptation_report or {}
-      ad = float(rep.get("adaptation_seconds", 0.0))
-      r = {"batch": b, "tau": out.stats.tokens_per_forward, "same": same,
-           "acceptance": np.asarray(out.stats.head_acceptance).tolist(),
-           "forwards": int(out.stats.target_forwards) + 1, "seconds": sec - ad,
-           "adaptation_seconds": ad}
-      if rep:
-        r["reflex"] = rep.get("reflex")
-        r["safety"] = rep.get("safety")
-        slow = rep.get("slow") or {}
-        r["slow"] = {k: slow.get(k) for k in ("decision", "heads", "kept", "rolled_back",
-                                              "refresh_seconds")}
-        state = out.adaptation
-      rec.append(r)
+      rec.append({"batch": b, "policy_step": policies.steps[b], "tau": st.tokens_per_forward,
+                  "depth1": None if not np.isfinite(acc[0]) else float(acc[0]),
+                  "acceptance": _nan_to_none(acc), "same": same,
+                  "forwards": int(st.target_forwards) + 1, "seconds": sec - in_gen,
+                  "ms_per_forward": 1e3 * (sec - in_gen) / (int(st.target_forwards) + 1),
+                  "adaptation_seconds": host + host_before, "compile_seconds": comp, **info})
     results[arm] = rec
+    if isinstance(runner, AdaptArm) and runner.heads is not None:
+      both_heads = runner.heads
+    del runner
+    _release()
+  summary, goals = report(results, pol, van_s, a)
   meta = {"command": "experiments/bench_adaptation.py " + " ".join(
-      sys.argv[1:] if argv is None else argv), "cpu": _common.cpu_model(),
-      "jax": jax.__version__,
-      "model": str(path), "args": vars(a), "drift_seconds": drift_s,
-      "drift": f"{a.drift_steps} AdamW SFT steps (lr {a.drift_lr}, batch 16) on GSM8K train "
-               "before every batch"}
-  summary = report(results, entropy, van_s, a)
+      sys.argv[1:] if argv is None else argv), "cpu": _common.cpu_model(), "jax": jax.__version__,
+      "device": jax.devices()[0].device_kind, "model": ident, "policies": str(a.policies),
+      "grpo": grpo_settings(a), "args": vars(a), "spec": dataclasses.asdict(spec),
+      "heads": type(heads0).__name__, "warmup_seconds": warmup_s}
   out_path = Path(a.out)
   out_path.parent.mkdir(parents=True, exist_ok=True)
-  out_path.write_text(json.dumps({"meta": meta, "summary": summary, "entropy": entropy,
-                                  "vanilla_seconds": van_s, "arms": results}, indent=2))
-  plot(results, entropy, out_path.with_suffix(".png"), a)
+  out_path.write_text(json.dumps({"meta": meta, "summary": summary, "goals": goals,
+                                  "policies": pol, "vanilla_seconds": van_s, "ceiling": ceiling,
+                                  "arms": results}, indent=2))
+  plot(results, pol, summary, out_path.with_suffix(".png"), a)
   print(f"wrote {out_path} and {out_path.with_suffix('.png')}")
-  return summary
+  return {"summary": summary, "goals": goals, "policies": pol, "arms": results}
 
 
-def report(results, entropy, van_s, a) -> dict:
-  from rich.console import Console
-  from rich.table import Table
-  t = Table(title=f"adaptation under a drifting target: T={a.temperature}, {a.batches} batches of "
-                  f"{a.prompts}x{a.group} GSM8K test prompts, {a.max_new_tokens} tokens")
-  for c in ("arm", "mean tau", "tau first 5", "tau last 10", "acc. depth 1/2/3", "same tokens",
-            "ms/fwd", "in-loop cost vs static", "slow-path share", "refreshes kept/rolled back",
-            "speedup vs vanilla"):
-    t.add_column(c)
+# ---------------------------------------------------------------------------------------------
+# Summary, goals, table, plot
+
+
+def gaps(results, a):
+  """tau_ceiling - tau_static per batch and the batches where it exceeds --min-gap (None without
+  both arms)."""
+  if "static" not in results or "ceiling" not in results:
+    return None, None
+  gap = (np.array([r["tau"] for r in results["ceiling"]])
+         - np.array([r["tau"] for r in results["static"]]))
+  return gap, gap > a.min_gap
+
+
+def summarize(results, van_s, a) -> dict:
   ms = lambda rec: 1e3 * sum(r["seconds"] for r in rec) / sum(r["forwards"] for r in rec)
   base_ms = ms(results["static"]) if "static" in results else None
+  gap, qual = gaps(results, a)
+  tau_static = np.array([r["tau"] for r in results["static"]]) if "static" in results else None
   out = {}
   for arm, rec in results.items():
     tau = np.array([r["tau"] for r in rec])
-    acc = np.nanmean(np.array([r["acceptance"] for r in rec], np.float64), axis=0)
+    acc = np.array([[np.nan if x is None else x for x in r["acceptance"]] for r in rec],
+                   np.float64)
     roll = sum(r["seconds"] for r in rec)
-    ad = sum(r["adaptation_seconds"] for r in rec)
+    host = sum(r["adaptation_seconds"] for r in rec)
+    fwd = sum(r["forwards"] for r in rec)
+    in_loop = None if base_ms is None else ms(rec) / base_ms - 1
+    in_loop_s = 0.0 if in_loop is None else max(ms(rec) - base_ms, 0.0) * fwd / 1e3
     kept = sum(len((r.get("slow") or {}).get("kept") or []) for r in rec)
     back = sum(len((r.get("slow") or {}).get("rolled_back") or []) for r in rec)
+    with warnings.catch_warnings():  # depths no tree reached: NaN, not a warning
+      warnings.simplefilter("ignore", RuntimeWarning)
+      mean_acc = _nan_to_none(np.nanmean(acc, axis=0)) if acc.size else []
     s = {"mean_tau": float(tau.mean()), "tau_first5": float(tau[:5].mean()),
-         "tau_last10": float(tau[-10:].mean()), "acceptance": acc.tolist(),
+         "tau_last10": float(tau[-10:].mean()), "acceptance": mean_acc,
          "all_same": all(r["same"] for r in rec), "ms_per_forward": ms(rec),
-         "in_loop_cost": (ms(rec) / base_ms - 1) if base_ms else None,
-         "slow_share": ad / max(roll, 1e-9), "kept": kept, "rolled_back": back,
-         "speedup_vs_vanilla": sum(van_s) / max(roll + ad, 1e-9)}
+         "rollout_seconds": roll, "adaptation_seconds": host,
+         "compile_seconds": sum(r["compile_seconds"] for r in rec),
+         "in_loop_cost": in_loop, "in_loop_share": in_loop_s / max(roll, 1e-9),
+         "host_share": host / max(roll, 1e-9), "kept": kept, "rolled_back": back,
+         "speedup_vs_vanilla": sum(van_s) / max(roll + host, 1e-9)}
+    s["adaptation_share"] = s["in_loop_share"] + s["host_share"]
+    s["recovery_batches"] = 0
+    s["recovery"] = None
+    s["recovery_per_batch"] = None
+    if gap is not None and arm not in ("static", "ceiling"):
+      share = (tau - tau_static) / np.where(qual, gap, 1.0)
+      s["recovery_per_batch"] = [float(x) if q else None for x, q in zip(share, qual, strict=True)]
+      s["recovery_batches"] = int(qual.sum())
+      s["recovery"] = float(share[qual].mean()) if qual.any() else None
     out[arm] = s
-    t.add_row(arm, f"{s['mean_tau']:.3f}", f"{s['tau_first5']:.3f}", f"{s['tau_last10']:.3f}",
-              " ".join(f"{x:.3f}" for x in acc), str(s["all_same"]), f"{s['ms_per_forward']:.2f}",
-              "-" if s["in_loop_cost"] is None else f"{100 * s['in_loop_cost']:+.1f}%",
-              f"{100 * s['slow_share']:.1f}%", f"{kept}/{back}",
-              f"{s['speedup_vs_vanilla']:.2f}x")
-  Console(width=200).print(t)
-  print(f"target entropy (nats/token), first / last batch: {entropy[0]:.3f} / {entropy[-1]:.3f}")
   return out
 
 
-def plot(results, entropy, path, a) -> None:
+def goals_of(summary, results, pol, a) -> list[dict]:
+  """The goals as (name, status PASS / MISS / SKIP, detail)."""
+  g = []
+  gap, qual = gaps(results, a)
+  both = summary.get("both")
+  if both is None or gap is None:
+    g.append({"goal": "(d) recovers >= 50% of the gap", "status": "SKIP",
+              "detail": "needs arms static, ceiling and both"})
+  elif not qual.any():
+    g.append({"goal": "(d) recovers >= 50% of the gap", "status": "SKIP",
+              "detail": f"the gap never exceeds {a.min_gap} tau: the drift did not stale the heads "
+                        f"(max gap {gap.max():+.3f} at batch {int(gap.argmax())}; KL to step 0 at "
+                        f"the last policy {pol[-1]['kl_to_step0']:.4f} nats/token; tau static "
+                        f"{summary['static']['tau_first5']:.3f} first 5 -> "
+                        f"{summary['static']['tau_last10']:.3f} last 10, ceiling "
+                        f"{summary['ceiling']['tau_first5']:.3f} -> "
+                        f"{summary['ceiling']['tau_last10']:.3f})"
+                        + (f"; the ceiling is below the static heads already at step 0 "
+                           f"({gap[0]:+.3f}): its fit is weaker than the shipped heads' (raise "
+                           "--ceiling-prompts / --ceiling-steps)" if gap[0] < -a.min_gap else "")})
+  else:
+    ok = both["recovery"] >= 0.5
+    g.append({"goal": "(d) recovers >= 50% of the gap", "status": "PASS" if ok else "MISS",
+              "detail": f"mean share {100 * both['recovery']:.1f}% over the "
+                        f"{both['recovery_batches']} batches where the gap exceeds {a.min_gap}"})
+  others = [x for x in ("reflex", "slow") if x in summary]
+  if both is None or not others:
+    g.append({"goal": "(d) >= max((b), (c))", "status": "SKIP",
+              "detail": "needs arm both and reflex or slow"})
+  else:
+    best = max(others, key=lambda x: summary[x]["mean_tau"])
+    ok = both["mean_tau"] >= summary[best]["mean_tau"]
+    g.append({"goal": "(d) >= max((b), (c))", "status": "PASS" if ok else "MISS",
+              "detail": f"mean tau both {both['mean_tau']:.4f} vs {best} "
+                        f"{summary[best]['mean_tau']:.4f}"})
+  if both is None or "static" not in summary:
+    g.append({"goal": "adaptation <= 5% of rollout time", "status": "SKIP",
+              "detail": "needs arms static and both"})
+  else:
+    ok = both["adaptation_share"] <= 0.05
+    g.append({"goal": "adaptation <= 5% of rollout time", "status": "PASS" if ok else "MISS",
+              "detail": f"(d): in-loop {100 * both['in_loop_share']:.1f}% + host "
+                        f"{100 * both['host_share']:.1f}% = {100 * both['adaptation_share']:.1f}%"})
+  return g
+
+
+def report(results, pol, van_s, a) -> tuple[dict, list]:
+  from rich.console import Console
+  from rich.table import Table
+  con = Console(width=220)
+  summary = summarize(results, van_s, a)
+  gap, qual = gaps(results, a)
+  arms = list(results)
+  t = Table(title=f"tau per batch: policy b of a GRPO run (lr {a.grpo_lr}, {a.grpo_prompts}x"
+                  f"{a.grpo_group}), {a.prompts}x{a.group} synthetic test prompts, T="
+                  f"{a.temperature}, {a.max_new_tokens} tokens")
+  for c in ("batch", "GRPO step", "KL to 0", "entropy", *arms, *(["gap"] if gap is not None
+                                                                 else [])):
+    t.add_column(c)
+  for b, p in enumerate(pol):
+    cells = [f"{results[x][b]['tau']:.3f}" for x in arms]
+    if gap is not None:
+      cells.append(f"{gap[b]:+.3f}" + ("*" if qual[b] else ""))
+    t.add_row(str(b), str(p["step"]), f"{p['kl_to_step0']:.4f}", f"{p['entropy']:.3f}", *cells)
+  con.print(t)
+  s = Table(title="per arm (seconds exclude compile; in-loop cost: ms per target forward vs "
+                  "static; shares of the arm's rollout time)")
+  for c in ("arm", "mean tau", "tau first 5", "tau last 10", "acc. depth 1/2/3", "same",
+            "ms/fwd", "in-loop vs static", "in-loop share", "host share",
+            f"recovery (batches gap > {a.min_gap})", "refreshes kept/back", "vs vanilla"):
+    s.add_column(c)
+  for arm, x in summary.items():
+    rec = "-" if x["recovery_per_batch"] is None else (
+        "n/a (0 batches)" if x["recovery"] is None
+        else f"{100 * x['recovery']:.1f}% ({x['recovery_batches']})")
+    s.add_row(arm, f"{x['mean_tau']:.3f}", f"{x['tau_first5']:.3f}", f"{x['tau_last10']:.3f}",
+              " ".join("-" if v is None else f"{v:.3f}" for v in x["acceptance"][:3]),
+              str(x["all_same"]), f"{x['ms_per_forward']:.2f}",
+              "-" if x["in_loop_cost"] is None else f"{100 * x['in_loop_cost']:+.1f}%",
+              f"{100 * x['in_loop_share']:.1f}%", f"{100 * x['host_share']:.1f}%", rec,
+              f"{x['kept']}/{x['rolled_back']}", f"{x['speedup_vs_vanilla']:.2f}x")
+  con.print(s)
+  print(f"policies: KL to step 0 (nats/token) {pol[0]['kl_to_step0']:.4f} -> "
+        f"{pol[-1]['kl_to_step0']:.4f}, entropy {pol[0]['entropy']:.3f} -> "
+        f"{pol[-1]['entropy']:.3f}, parameter change {pol[-1]['param_change']:.2e}")
+  if gap is not None:
+    print(f"gap tau_ceiling - tau_static: batch 0 {gap[0]:+.3f} (before any drift: the ceiling's "
+          f"recipe vs the shipped heads), mean {gap.mean():+.3f}, {int(qual.sum())}/{len(gap)} "
+          f"batches above {a.min_gap}")
+  goals = goals_of(summary, results, pol, a)
+  for x in goals:
+    print(f"{x['status']}  {x['goal']}: {x['detail']}")
+  if not all(v["all_same"] for v in summary.values()):
+    print("MISS  tokens: an arm committed tokens other than vanilla's: "
+          + ", ".join(k for k, v in summary.items() if not v["all_same"]))
+  return summary, goals
+
+
+def plot(results, pol, summary, path, a) -> None:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  fig, ax = plt.subplots(1, 2, figsize=(13, 4.2))
+  fig, ax = plt.subplots(1, 3, figsize=(19, 4.6))
+  steps = [p["step"] for p in pol]
   for arm, rec in results.items():
-    ax[0].plot([r["batch"] for r in rec], [r["tau"] for r in rec], "o-", ms=3, label=arm)
-  ax[0].set_xlabel("rollout batch (the target drifts between batches)")
+    ax[0].plot(steps, [r["tau"] for r in rec], "o-", ms=3, label=arm)
+  ax[0].set_xlabel("GRPO step of the policy (batch b replays policy b)")
   ax[0].set_ylabel("tau (tokens / target forward)")
-  ax[0].set_title(f"T = {a.temperature}")
+  ax[0].set_title(f"tau per batch, T = {a.temperature}")
   ax[0].legend(fontsize=8)
-  ax[1].plot(range(len(entropy)), entropy, "k.-")
-  ax[1].set_xlabel("rollout batch")
-  ax[1].set_ylabel("target mean next-token entropy (nats)")
+  ax[1].plot(steps, [p["kl_to_step0"] for p in pol], "k.-", label="KL to step 0")
+  ax[1].set_xlabel("GRPO step")
+  ax[1].set_ylabel("mean KL(policy || step 0) (nats / token)")
+  tw = ax[1].twinx()
+  tw.plot(steps, [p["entropy"] for p in pol], "r.--", label="entropy")
+  tw.set_ylabel("mean next-token entropy (nats)", color="r")
+  ax[1].set_title("drift of the policies (on the vanilla rollouts)")
+  for arm, s in summary.items():
+    if s["recovery_per_batch"] is not None:
+      ys = [np.nan if y is None else y for y in s["recovery_per_batch"]]
+      ax[2].plot(steps, ys, "o-", ms=3, label=arm)
+  ax[2].axhline(0.5, color="grey", ls=":", lw=1)
+  ax[2].axhline(0.0, color="grey", lw=0.5)
+  ax[2].set_xlabel("GRPO step")
+  ax[2].set_ylabel("(tau - tau_static) / (tau_ceiling - tau_static)")
+  ax[2].set_title(f"recovered share of the gap (batches with gap > {a.min_gap})")
+  ax[2].set_xlim(min(steps) - 0.5, max(steps) + 0.5)
+  gap, qual = gaps(results, a)
+  if gap is None or not qual.any():
+    ax[2].text(0.5, 0.5, "no batch where tau_ceiling - tau_static exceeds "
+               f"{a.min_gap}" if gap is not None else "needs arms static and ceiling",
+               transform=ax[2].transAxes, ha="center", va="center")
+  elif ax[2].lines[2:]:
+    ax[2].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
+  plt.close(fig)
 
 
 if __name__ == "__main__":

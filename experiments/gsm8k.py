@@ -6,13 +6,15 @@
       --prompts 32 --group 8 --max-new-tokens 512 --lr 1e-6 --spec h200      # GPU / TPU
 
 Task: with the embedded model the default is the synthetic GSM8K-format problems
-(``data/synthetic.py``; ``--task synthetic --level 1``): a 2M-parameter model solves about 3% of
-GSM8K, too few correct samples for GRPO to learn from, but a fair share of these, so the run shows
-GRPO learning. With ``--model`` the default is GSM8K; ``--task gsm8k|synthetic|mix`` chooses.
+(``data/synthetic.py``; ``--task synthetic --level 0``, 50 steps of 16 prompts x 8, lr 3e-4): a
+2M-parameter model solves about 3% of GSM8K, too few correct samples for GRPO to learn from, but
+about a third of these at T = 1 (70% greedy), so the run shows GRPO learning. With ``--model``
+the default is GSM8K; ``--task gsm8k|synthetic|mix`` chooses.
 
 Each step: P train prompts x G samples from the current policy (rollout, jitted), their text scored
 on the host (exact final-number match + a format bonus, the GSM8K reward), one data-parallel GRPO
-update (every device on one ``data`` axis). Greedy accuracy on held-out test problems is measured
+update (every device on one ``data`` axis). Accuracy on held-out test problems (greedy, and one
+sample each at the training temperature with fixed seeds) is measured
 before the first step and after the last.
 
 ``--rollout specroll`` (default) proposes with the heads shipped beside the model (root-conditioned
@@ -57,21 +59,28 @@ def parse(argv):
   ap.add_argument("--task", default=None, choices=list(TASKS),
                   help="training problems (default: synthetic for the embedded model, gsm8k "
                        "with --model)")
-  ap.add_argument("--level", type=int, default=1, help="synthetic difficulty level (0..4)")
+  ap.add_argument("--level", type=int, default=0,
+                  help="synthetic difficulty level (0..4; default 0: one + or - step, numbers up "
+                       "to 10)")
   ap.add_argument("--steps", type=int, default=None,
-                  help="GRPO steps (default: 16 synthetic, 12 gsm8k)")
-  ap.add_argument("--prompts", type=int, default=8, help="prompts per step")
+                  help="GRPO steps (default: 50 synthetic, 12 gsm8k)")
+  ap.add_argument("--prompts", type=int, default=None,
+                  help="prompts per step (default: 16 synthetic, 8 gsm8k)")
   ap.add_argument("--group", type=int, default=8, help="responses per prompt (G)")
   ap.add_argument("--max-new-tokens", type=int, default=None,
-                  help="response length limit (default: 96 synthetic, 256 gsm8k)")
-  ap.add_argument("--eval-prompts", type=int, default=128,
-                  help="held-out test problems for the greedy accuracy before and after")
+                  help="response length limit (default: 48 synthetic, 256 gsm8k)")
+  ap.add_argument("--eval-prompts", type=int, default=256,
+                  help="held-out test problems for the accuracy before and after (greedy and "
+                       "sampled)")
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--top-p", type=float, default=1.0)
   ap.add_argument("--top-k", type=int, default=0)
   ap.add_argument("--lr", type=float, default=None,
-                  help="learning rate (default: 1e-3 synthetic and 2e-4 gsm8k for the embedded "
+                  help="learning rate (default: 3e-4 synthetic and 2e-4 gsm8k for the embedded "
                        "model, 1e-6 for --model)")
+  ap.add_argument("--warmup", type=int, default=None,
+                  help="learning-rate warm-up steps (linear ramp; GRPOConfig.warmup_steps; "
+                       "default: 10 synthetic, 0 gsm8k)")
   ap.add_argument("--beta", type=float, default=0.0, help="k3 KL weight to the initial policy")
   ap.add_argument("--clip", type=float, nargs=2, default=(0.2, 0.28), metavar=("LOW", "HIGH"),
                   help="ratio clip epsilons")
@@ -92,19 +101,19 @@ def parse(argv):
   ap.add_argument("--out", default="runs/gsm8k")
   ap.add_argument("--resume", action="store_true", help="continue the run in --out")
   a = ap.parse_args(argv)
+  if a.task is None:
+    a.task = "synthetic" if a.model is None else "gsm8k"
+  syn = a.task != "gsm8k"
+  for name, if_syn, if_gsm8k in (("steps", 50, 12), ("prompts", 16, 8),
+                                 ("max_new_tokens", 48, 256), ("warmup", 10, 0)):
+    if getattr(a, name) is None:
+      setattr(a, name, if_syn if syn else if_gsm8k)
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
-              beta=0.0, node_budget=0, eval_prompts=1)
+              beta=0.0, node_budget=0, eval_prompts=1, warmup=0)
   try:
     _synthetic.Difficulty.from_level(a.level)
   except ValueError as e:
     cli.fail("--level", a.level, str(e))
-  if a.task is None:
-    a.task = "synthetic" if a.model is None else "gsm8k"
-  syn = a.task != "gsm8k"
-  if a.steps is None:
-    a.steps = 16 if syn else 12
-  if a.max_new_tokens is None:
-    a.max_new_tokens = 96 if syn else 256
   if not 0 <= a.temperature < float("inf"):
     cli.fail("--temperature", a.temperature, "must be a finite number >= 0")
   if not 0 < a.top_p <= 1:
@@ -130,9 +139,9 @@ def parse(argv):
 def run_config(a, *, rollout_kind: str) -> RunConfig:
   sampling = rollout.SamplingConfig(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
   lr = a.lr if a.lr is not None else (1e-6 if a.model is not None else
-                                      (2e-4 if a.task == "gsm8k" else 1e-3))
-  grpo = GRPOConfig(group_size=a.group, learning_rate=lr, beta=a.beta, clip_eps_low=a.clip[0],
-                    clip_eps_high=a.clip[1], sampling=sampling)
+                                      (2e-4 if a.task == "gsm8k" else 3e-4))
+  grpo = GRPOConfig(group_size=a.group, learning_rate=lr, beta=a.beta, warmup_steps=a.warmup,
+                    clip_eps_low=a.clip[0], clip_eps_high=a.clip[1], sampling=sampling)
   spec = rollout.SpecConfig.for_h200() if a.spec == "h200" else rollout.SpecConfig.for_cpu()
   if a.node_budget is not None:
     spec = dataclasses.replace(spec, node_budget=a.node_budget)
@@ -189,9 +198,10 @@ def summarize(recs: list[dict], compile_info: dict) -> dict:
 
 
 TASK_NOTE = {
-    "synthetic": "synthetic GSM8K-format word problems (level {level}; data/synthetic.py): the "
-                 "embedded model has 2M parameters and solves about 3% of GSM8K itself, too few "
-                 "correct samples for GRPO to learn from; it solves a fair share of these, so "
+    "synthetic": "synthetic GSM8K-format word problems (level {level}; data/synthetic.py), "
+                 "scored by the GSM8K reward. Why not GSM8K itself: the embedded model has 2M "
+                 "parameters and solves about 3% of GSM8K, too few correct samples for GRPO to "
+                 "learn from; at T = 1 it solves about a third of these (most groups mixed), so "
                  "this run shows GRPO learning. --task gsm8k trains on GSM8K.",
     "mix": "GSM8K and synthetic problems (level {level}), alternating.",
     "gsm8k": "GSM8K train problems.",
@@ -233,15 +243,18 @@ def main(argv=None):
     resume = a.resume and (out / kind / "checkpoints").is_dir()
     if "before" not in evals:
       evals["before"] = held_out(cfg, model, params)
-      print(f"held-out greedy accuracy before training ({cfg.eval_prompts} {a.task} test "
-            f"problems): {evals['before']:.3f}", flush=True)
+      g0, s0 = evals["before"]
+      print(f"held-out accuracy before training ({cfg.eval_prompts} {a.task} test problems): "
+            f"greedy {g0:.3f}, sampled at T={a.temperature} {s0:.3f}", flush=True)
     recs, compile_info, r = train(a, cfg, model, heads, out / kind, resume=resume)
     all_recs = read_metrics(out / kind / "metrics.jsonl")
     evals[kind] = held_out(cfg, model, r.state.params)
-    print(f"[{kind}] held-out greedy accuracy after {cfg.steps} steps: {evals[kind]:.3f} "
-          f"(before: {evals['before']:.3f})", flush=True)
+    (g0, s0), (g1, s1) = evals["before"], evals[kind]
+    print(f"[{kind}] held-out accuracy after {cfg.steps} steps: greedy {g1:.3f} (before "
+          f"{g0:.3f}), sampled at T={a.temperature} {s1:.3f} (before {s0:.3f})", flush=True)
     results[kind] = {"summary": summarize(recs, compile_info), "records": all_recs,
-                     "held_out": {"before": evals["before"], "after": evals[kind]}}
+                     "held_out": {"before": g0, "after": g1, "sampled_before": s0,
+                                  "sampled_after": s1}}
     runs[kind] = r
   table = compare(results, runs, kinds)
   meta = {"command": "experiments/gsm8k.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -260,13 +273,17 @@ def main(argv=None):
   return results
 
 
-def held_out(cfg: RunConfig, model, params) -> float:
-  """Greedy strict accuracy on the first ``cfg.eval_prompts`` test problems of the task."""
+def held_out(cfg: RunConfig, model, params) -> tuple[float, float]:
+  """Strict accuracy on the first ``cfg.eval_prompts`` test problems of the task: greedy, and one
+  sample per problem under the run's sampling rule (fixed seed: the same responses for the same
+  parameters)."""
   from specroll_jax import evaluation
   config, _, tok = model
-  res = evaluation.accuracy(config, params, tok, cfg.task.examples("test")[: cfg.eval_prompts],
-                            max_new_tokens=cfg.max_new_tokens)
-  return float(res["accuracy_strict"])
+  exs = cfg.task.examples("test")[: cfg.eval_prompts]
+  greedy = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens)
+  sampled = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens,
+                                sampling=cfg.grpo.sampling, seed=10**6 + cfg.seed)
+  return float(greedy["accuracy_strict"]), float(sampled["accuracy_strict"])
 
 
 def compare(results, runs, kinds) -> dict:
@@ -277,7 +294,8 @@ def compare(results, runs, kinds) -> dict:
                   "compile; vanilla = the compacting vanilla engine)")
   for c in ("engine", "steps", "rollout s", "adaptation s", "train s", "step s", "tau",
             "rollout speedup", "step speedup", "reward first 3 -> last 3",
-            "held-out before -> after", "mixed groups", "compile rollout s", "max |dlogp|"):
+            "held-out greedy before -> after", "held-out sampled before -> after",
+            "mixed groups", "compile rollout s", "max |dlogp|"):
     t.add_column(c)
   table = {}
   for kind in kinds:
@@ -299,6 +317,8 @@ def compare(results, runs, kinds) -> dict:
               f"{row.get('rollout_speedup', 1.0):.2f}x", f"{row.get('step_speedup', 1.0):.2f}x",
               f"{row['reward_first3']:.3f} -> {row['reward_last3']:.3f}",
               f"{held.get('before', float('nan')):.3f} -> {held.get('after', float('nan')):.3f}",
+              f"{held.get('sampled_before', float('nan')):.3f} -> "
+              f"{held.get('sampled_after', float('nan')):.3f}",
               str(s["groups_mixed"]),
               f"{s.get('rollout_compile_seconds', float('nan')):.1f}", f"{s['logp_gap_max']:.1e}")
   Console(width=200).print(t)
@@ -332,6 +352,8 @@ def plot(results, path: Path) -> None:
     if held:
       ax[1].plot([x[0] - 0.5, x[-1] + 0.5], [held["before"], held["after"]], style[0] + ":",
                  ms=9, label=f"{kind}: held-out greedy, before / after")
+      ax[1].plot([x[0] - 0.5, x[-1] + 0.5], [held["sampled_before"], held["sampled_after"]],
+                 style[0] + "-.", ms=9, label=f"{kind}: held-out sampled (T), before / after")
     ax[2].plot(x, [r["tau"] for r in recs], style, label=kind)
     ax[3].plot(x, [r["entropy"] for r in recs], style, label=kind)
     ax[5].semilogy(x, [max(r["logp_gap_max"], 1e-9) for r in recs], style, label=kind)

@@ -7,9 +7,10 @@ import numpy as np
 
 
 def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
-             batch_size: int = 32) -> dict:
-  """Greedy accuracy on ``examples`` (objects with ``question`` and ``gold``); prompts padded to
-  one width (one compile)."""
+             batch_size: int = 32, sampling=None, seed: int = 0) -> dict:
+  """Accuracy on ``examples`` (objects with ``question`` and ``gold``), one response each: greedy,
+  or sampled with ``sampling`` (a ``SamplingConfig``; sample id = the example's index, ``seed``,
+  so the same call gives the same responses). Prompts padded to one width (one compile)."""
   from specroll_jax import rewards, rollout
   from specroll_jax.data import gsm8k
   exs = list(examples)
@@ -18,7 +19,7 @@ def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
   ids = [tok.encode(gsm8k.format_prompt(e.question)) for e in exs]
   padded, lens = rollout.pad_prompts(ids)
   strict = flexible = 0.0
-  greedy = rollout.SamplingConfig(temperature=0.0)
+  rule = rollout.SamplingConfig(temperature=0.0) if sampling is None else sampling
   for i in range(0, len(exs), batch_size):
     sl = slice(i, i + batch_size)
     toks, ln = padded[sl], lens[sl]
@@ -26,9 +27,9 @@ def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
       extra = batch_size - len(toks)
       toks, ln = np.concatenate([toks, toks[:1].repeat(extra, 0)]), np.concatenate(
           [ln, ln[:1].repeat(extra)])
-    r = rollout.generate(config, params, toks, prompt_lengths=ln, sampling=greedy,
+    r = rollout.generate(config, params, toks, prompt_lengths=ln, sampling=rule, seed=seed,
                          max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids,
-                         sample_ids=np.arange(len(toks)),
+                         sample_ids=np.arange(i, i + len(toks)),
                          cache_length=padded.shape[1] + max_new_tokens)
     out, out_lens = np.asarray(r.tokens), np.asarray(r.lengths)
     for row, e in enumerate(exs[sl]):

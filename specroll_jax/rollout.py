@@ -221,6 +221,10 @@ def resolve_proposer(spec: SpecConfig | None, heads, proposer: Proposer | None,
     if heads is not None:
       raise ValueError("pass either heads= (shorthand for HeadsProposer) or proposer= with "
                        "proposer_params=, not both")
+    if proposer_params is None:
+      raise ValueError(f"proposer_params is None but proposer={type(proposer).__name__}(...) is "
+                       "given: pass its parameters (proposer_params=() for a proposer without "
+                       "any)")
     return spec or SpecConfig(), proposer, proposer_params
   if proposer_params is not None:
     raise ValueError("proposer_params is set but proposer is None")

@@ -37,7 +37,9 @@ __all__ = ["SamplingConfig", "allowed_logits", "first_argmax", "gumbel_from_bits
            "inverse_temperature", "mix32", "row_key", "sample", "sample_from_hidden",
            "token_bits", "token_logprobs", "uniform_from_bits"]
 
-_NEG = -1e30  # masked logit: large negative finite value (stays NaN-free in kernels)
+MASKED_LOGIT = -1e30  # a masked logit: large negative finite value (stays NaN-free in kernels);
+#   the library's one masking constant (pallas_kernels imports nothing from us: it keeps its own)
+_NEG = MASKED_LOGIT
 
 
 def gumbel_noise(seed, sample_id, position, vocab_size: int) -> Float[Array, "*R V"]:

@@ -44,6 +44,7 @@ from specroll_jax.heads import Heads
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.records import Records
+from specroll_jax.sampling import MASKED_LOGIT
 
 MODES = ("degradation", "scheduled", "every_batch", "off")
 
@@ -466,7 +467,7 @@ def _log_probs(cfg, model_config, params, heads, rec: Records):
   kk, cc = np.ix_(np.arange(logits.shape[0]), np.arange(logits.shape[1]))
   on_s = jnp.zeros(logits.shape, bool).at[kk[..., None], cc[..., None],
                                           jnp.where(used, rec.support, v)].set(True, mode="drop")
-  lse_tail = jax.nn.logsumexp(jnp.where(on_s, -1e30, logits), axis=-1)
+  lse_tail = jax.nn.logsumexp(jnp.where(on_s, MASKED_LOGIT, logits), axis=-1)
   lq_tail = jnp.maximum(lse_tail - lse, -100.0)
   tok = jnp.take_along_axis(logits, jnp.maximum(rec.token, 0)[..., None], -1)[..., 0] - lse
   return jnp.where(used, lq_s, 0.0), lq_tail, tok

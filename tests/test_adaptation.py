@@ -2,6 +2,7 @@
 change a committed token; the adaptation state is carried by ``generate``, compiles once and is
 checkpointable by orbax as is."""
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -78,8 +79,7 @@ def test_adaptive_rollouts_compile_once_and_checkpoint(trained_model, gsm8k_prom
     ck.save(3, state, {"batch": 3})
     back, meta = ck.restore(like=state)
   assert meta["batch"] == 3 and back.config == state.config
-  for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(state, back)  # same structure, types, shapes, dtypes and values
 
 
 def test_adaptation_argument_checks(trained_model):

@@ -3,6 +3,7 @@ logits, a Medusa head does not), save/load round trip, fitting lowers the loss a
 heads on the same rollouts; ranked proposers (root-conditioned, Medusa, merged with the
 group-aware lookup) give the vanilla rollout token for token."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,8 +61,7 @@ def test_save_load_round_trip(tmp_path, fitted, trained_model):
   CH.save(tmp_path / "h.safetensors", ch)
   assert CH.is_file(tmp_path / "h.safetensors")
   back = CH.load(tmp_path / "h.safetensors")
-  for a, b in zip(jax.tree.leaves(ch), jax.tree.leaves(back), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(ch, back)
   assert back.vocab_size == ch.vocab_size
   H.save(tmp_path / "medusa.safetensors", H.init(jax.random.key(0), trained_model[0], 3))
   assert not CH.is_file(tmp_path / "medusa.safetensors")

@@ -1,6 +1,7 @@
 """Future-token heads: zero init is the identity, validation messages, SpecConfig validation,
 self-distillation labels and a fit that learns a synthetic task."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -197,8 +198,7 @@ def test_save_load_roundtrip(tmp_path):
   H.save(tmp_path / "h.safetensors", hd)
   back = H.load(tmp_path / "h.safetensors")
   assert back.vocab_size == hd.vocab_size and back.num_heads == 3
-  for a, b in zip(jax.tree.leaves(hd), jax.tree.leaves(back), strict=True):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  chex.assert_trees_all_equal(hd, back)
 
 
 def test_load_rejects_a_file_that_is_not_heads(tmp_path):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from specroll_jax import models, rollout, sampling
+from specroll_jax.proposers import PromptLookup
 from specroll_jax.rollout import SamplingConfig
 
 CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.95),
@@ -110,6 +111,8 @@ def test_bad_input(random_model):
     g([[1]], kernels="cuda")
   with pytest.raises(ValueError, match="proposer_params is set but proposer is None"):
     g([[1]], proposer_params=())
+  with pytest.raises(ValueError, match=r"proposer_params is None but proposer=PromptLookup"):
+    g([[1]], proposer=PromptLookup())
 
 
 def test_duplicate_sample_ids_on_request(random_model):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -26,6 +27,10 @@ class GRPOConfig:
     (mean over sequences of each sequence's token mean).
   adv_eps: advantage = (r - mean_group) / (std_group + adv_eps), std with ddof = 0.
   learning_rate, weight_decay, adam_b1, adam_b2, adam_eps: AdamW (``optax.adamw``).
+  warmup_steps: the learning rate ramps linearly over the first n updates (update i, counting
+    from 0, uses learning_rate * min(1, (i + 1) / n)); 0 = constant. Adam's first updates are
+    about lr * sign(gradient) on every parameter, whatever the gradient's signal-to-noise: a short
+    ramp keeps a few noisy GRPO batches from moving a small policy far.
   max_grad_norm: clip the global gradient norm to this (``optax.clip_by_global_norm``; inf = off).
   micro_batches: gradient-accumulation chunks per device and step (a ``lax.scan``).
   sampling: how the policy samples; the trainer's logprobs use the same (temperature, top-k,
@@ -45,11 +50,13 @@ class GRPOConfig:
   adam_b2: float = 0.999
   adam_eps: float = 1e-8
   micro_batches: int = 1
+  warmup_steps: int = 0
   sampling: SamplingConfig = SamplingConfig()
 
   def __post_init__(self):
     _int(self, "group_size", 1)
     _int(self, "micro_batches", 1)
+    _int(self, "warmup_steps", 0)
     _float(self, "clip_eps_low", 0.0, 1.0, hi_open=True)
     _float(self, "clip_eps_high", 0.0, math.inf)
     _float(self, "beta", 0.0, math.inf)
@@ -67,12 +74,19 @@ class GRPOConfig:
       raise ValueError(f"GRPOConfig.sampling must be a SamplingConfig, got "
                        f"{type(self.sampling).__name__}")
 
+  def learning_rate_schedule(self):
+    """The learning rate: a float (constant) or, with ``warmup_steps``, an optax schedule."""
+    if self.warmup_steps == 0:
+      return self.learning_rate
+    lr, n = self.learning_rate, float(self.warmup_steps)
+    return lambda count: lr * jnp.minimum(1.0, (count + 1) / n)
+
   def optimizer(self) -> optax.GradientTransformation:
     """``clip_by_global_norm(max_grad_norm)`` then ``adamw``; weight decay on every parameter."""
     return optax.chain(
         optax.clip_by_global_norm(self.max_grad_norm),
-        optax.adamw(self.learning_rate, b1=self.adam_b1, b2=self.adam_b2, eps=self.adam_eps,
-                    weight_decay=self.weight_decay))
+        optax.adamw(self.learning_rate_schedule(), b1=self.adam_b1, b2=self.adam_b2,
+                    eps=self.adam_eps, weight_decay=self.weight_decay))
 
 
 def _int(cfg, name: str, lo: int) -> None:

@@ -15,11 +15,13 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax.grpo.config import GRPOConfig
+from specroll_jax.sampling import MASKED_LOGIT
 
 KL_LOG_RATIO_CLAMP = 20.0  # |log(ref / pi)| is clamped here inside k3 (no exp overflow)
 KL_CLAMP = 10.0  # and k3 itself to [0, 10] (as verl's low_var_kl)
-OUTSIDE_SUPPORT_LOGP = -1e29  # ``sampling.allowed_logits`` masks with -1e30: a logprob below this
-#   is a token outside the trainer's top-k / top-p set (probability 0 under the sampling rule)
+OUTSIDE_SUPPORT_LOGP = MASKED_LOGIT / 10  # ``sampling.allowed_logits`` masks with MASKED_LOGIT: a
+#   logprob below this is a token outside the trainer's top-k / top-p set (probability 0 under
+#   the sampling rule)
 
 
 def group_advantages(rewards: Float[Array, " B"], group_size: int, eps: float

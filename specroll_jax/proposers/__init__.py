@@ -1,12 +1,23 @@
-"""Proposers: what proposes each row's candidate tree (see ``base`` for the interface).
+"""Proposers: what proposes each row's candidate tree (``base`` holds the interface, ``Tree`` and
+its rules are in ``specroll_jax.tree``; docs/design.md, "Proposers").
 
-``HeadsProposer`` (static future-token heads), ``PromptLookup`` (n-gram copy from the row's own
-prompt + response) and ``HeadsAndLookup`` (both merged into one tree).
+Fixed-shape proposers: ``HeadsProposer`` (static future-token heads), ``PromptLookup`` (n-gram copy
+from the row's own prompt + response) and ``HeadsAndLookup`` (both merged into one tree). Ranked
+proposers (``RankedProposer``: every candidate scored by its calibrated acceptance, the best kept
+within the row's budget): ``RankedHeads`` (Medusa or root-conditioned heads, expanded depth by
+depth), ``GroupLookup`` (the row's own text, its GRPO siblings' and earlier responses to the same
+prompt) and ``Merged`` (both in one tree).
 """
 
 from specroll_jax.proposers.base import Feedback, ProposeInput, Proposer, RowsInit, Target
+from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext
 from specroll_jax.proposers.heads import HeadsProposer
 from specroll_jax.proposers.lookup import HeadsAndLookup, LookupState, PromptLookup
+from specroll_jax.proposers.merged import Merged
+from specroll_jax.proposers.ranked import RankedProposer, TreeStats
+from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
+from specroll_jax.tree import Tree
 
-__all__ = ["Feedback", "HeadsAndLookup", "HeadsProposer", "LookupState", "PromptLookup",
-           "ProposeInput", "Proposer", "RowsInit", "Target"]
+__all__ = ["Feedback", "GroupLookup", "HeadsAndLookup", "HeadsParams", "HeadsProposer",
+           "LookupContext", "LookupState", "Merged", "PromptLookup", "ProposeInput", "Proposer",
+           "RankedHeads", "RankedProposer", "RowsInit", "Target", "Tree", "TreeStats"]

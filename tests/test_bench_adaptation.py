@@ -1,0 +1,113 @@
+"""experiments/bench_adaptation.py in-process: the --quick run (a GRPO policy sequence saved with
+orbax, replayed by every quick arm with the vanilla tokens), reuse of a saved sequence, and bad
+input (a --policies folder of another model's checkpoints, an unknown arm): one line, exit 2."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from specroll_jax import pipeline
+from specroll_jax.checkpoint import Checkpointer
+
+EXP = Path(__file__).resolve().parents[1] / "experiments"
+
+
+def load_script():
+  """The script as a module (its folder on sys.path, as when run as a script)."""
+  if str(EXP) not in sys.path:
+    sys.path.insert(0, str(EXP))
+  spec = importlib.util.spec_from_file_location("_exp_bench_adaptation",
+                                                EXP / "bench_adaptation.py")
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _one_line_exit_2(capsys, fn, name):
+  with pytest.raises(SystemExit) as e:
+    fn()
+  err = capsys.readouterr().err
+  lines = [x for x in err.splitlines() if x.strip()]
+  assert e.value.code == 2, err[-2000:]
+  assert len(lines) == 1 and name in lines[0] and "Traceback" not in err, err
+  return lines[0]
+
+
+def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  mod = load_script()
+  pol, out = tmp_path / "policies", tmp_path / "out" / "bench.json"
+  res = mod.main(["--quick", "--policies", str(pol), "--out", str(out)])
+  data = json.loads(out.read_text())
+  assert out.with_suffix(".png").stat().st_size > 0
+  # the policy sequence: steps 0..2 with the model and the GRPO settings in every meta
+  ck = Checkpointer(pol, max_to_keep=None, async_save=False)
+  assert ck.all_steps() == [0, 1, 2]
+  metas = [ck.restore_meta(s) for s in (0, 1, 2)]
+  assert [m["step"] for m in metas] == [0, 1, 2]
+  assert all(m["grpo"]["learning_rate"] == 3e-4 and m["grpo"]["task"] == "synthetic"
+             and m["model"]["weights_hash"] == metas[0]["model"]["weights_hash"] for m in metas)
+  assert metas[0]["metrics"] is None and "reward_mean" in metas[1]["metrics"]
+  # every quick arm replayed the 3 batches with the vanilla tokens, and has a tau per batch
+  assert list(data["arms"]) == list(mod.QUICK_ARMS)
+  for arm, rec in data["arms"].items():
+    assert [r["batch"] for r in rec] == [0, 1, 2], arm
+    assert all(r["same"] for r in rec), arm
+    assert all(np.isfinite(r["tau"]) and r["tau"] >= 1.0 for r in rec), arm
+    assert data["summary"][arm]["all_same"] is True
+  # the policies drift: KL to step 0 is 0 at step 0, positive after; the parameters moved
+  p = data["policies"]
+  assert [x["step"] for x in p] == [0, 1, 2]
+  assert p[0]["kl_to_step0"] == 0.0 and p[0]["param_change"] == 0.0
+  assert all(x["kl_to_step0"] > 0 and x["param_change"] > 0 for x in p[1:])
+  assert all(np.isfinite(x["entropy"]) and x["entropy"] >= 0 for x in p)
+  assert data["ceiling"]["fit_seconds"][0] > 0
+  assert {g["status"] for g in data["goals"]} <= {"PASS", "MISS", "SKIP"}
+  assert res["summary"].keys() == data["summary"].keys()
+  # a second run reuses the complete sequence (same model and settings): no GRPO step
+  capsys.readouterr()
+  config, params, tok, path = pipeline.load_model(None)
+  a = mod.parse(["--quick", "--policies", str(pol), "--out", str(out)])
+  again = mod.ensure_policies(a, config, params, tok, mod.model_identity(params, path))
+  assert "reusing the 3 saved policies" in capsys.readouterr().out
+  assert again.steps == [0, 1, 2]
+  first = jax.tree.leaves(again.get(0))
+  assert all(np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(first, jax.tree.leaves(params), strict=True))
+
+
+def test_policies_of_another_model_shape_exit_2(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  pol = tmp_path / "policies"
+  rng = np.random.default_rng(0)
+  with Checkpointer(pol, max_to_keep=None, async_save=False) as ck:
+    ck.save(0, {"embed": {"embedding": rng.normal(size=(16, 8)).astype(np.float32)},
+                "w": rng.normal(size=(8, 8)).astype(np.float32)}, {"step": 0})
+  main = load_script().main
+  line = _one_line_exit_2(capsys, lambda: main(["--quick", "--policies", str(pol), "--out",
+                                                str(tmp_path / "o.json")]), "--policies")
+  assert str(pol) in line and "do not match the model" in line
+
+
+def test_policies_of_another_model_meta_exit_2(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  pol = tmp_path / "policies"
+  _, params, _, _ = pipeline.load_model(None)
+  with Checkpointer(pol, max_to_keep=None, async_save=False) as ck:  # the right tree, other model
+    ck.save(0, params, {"step": 0, "model": {"path": "/elsewhere", "config_hash": "0" * 16,
+                                             "weights_hash": "1" * 16}})
+  main = load_script().main
+  line = _one_line_exit_2(capsys, lambda: main(["--quick", "--policies", str(pol), "--out",
+                                                str(tmp_path / "o.json")]), "--policies")
+  assert "another model" in line
+
+
+def test_unknown_arm_exit_2(tmp_path, monkeypatch, capsys):
+  monkeypatch.chdir(tmp_path)
+  main = load_script().main
+  _one_line_exit_2(capsys, lambda: main(["--arms", "static", "fastest"]), "--arms")
