@@ -14,6 +14,7 @@ from specroll_jax import heads as _heads
 from specroll_jax import models, rollout, sft
 from specroll_jax.data import gsm8k
 from specroll_jax.models.tokenizer import Tokenizer
+from specroll_jax.sampling import group_sample_ids
 
 
 def default_model_path(*, progress: bool = True) -> Path:
@@ -53,7 +54,8 @@ def grpo_batch(prompt_ids, group_size: int, first_prompt_index: int = 0):
   if group_size < 1:
     raise ValueError(f"group_size must be >= 1, got {group_size}")
   rep = [p for p in prompt_ids for _ in range(group_size)]
-  sids = (first_prompt_index * group_size + np.arange(len(rep))).astype(np.int32)
+  sids = group_sample_ids(np.arange(first_prompt_index, first_prompt_index + len(prompt_ids)),
+                          group_size).astype(np.int32)
   return rep, sids
 
 

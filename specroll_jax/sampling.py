@@ -33,9 +33,9 @@ from pallas_kernels.fused_sampler import fused_sample
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models import decoder as _dec
 
-__all__ = ["SamplingConfig", "allowed_logits", "first_argmax", "gumbel_from_bits", "gumbel_noise",
-           "inverse_temperature", "mix32", "row_key", "sample", "sample_from_hidden",
-           "token_bits", "token_logprobs", "uniform_from_bits"]
+__all__ = ["SamplingConfig", "allowed_logits", "first_argmax", "group_sample_ids",
+           "gumbel_from_bits", "gumbel_noise", "inverse_temperature", "mix32", "row_key", "sample",
+           "sample_from_hidden", "token_bits", "token_logprobs", "uniform_from_bits"]
 
 MASKED_LOGIT = -1e30  # a masked logit: large negative finite value (stays NaN-free in kernels);
 #   the library's one masking constant (pallas_kernels imports nothing from us: it keeps its own)
@@ -47,6 +47,19 @@ def gumbel_noise(seed, sample_id, position, vocab_size: int) -> Float[Array, "*R
   key = row_key(seed, sample_id, position)[..., None]
   return gumbel_from_bits(token_bits(key, jnp.arange(vocab_size, dtype=jnp.uint32)))
 
+
+
+def group_sample_ids(prompt_indices, group_size: int):
+  """The sample-id rule for GRPO (docs/design.md, "The sample-id rule for GRPO"), written once:
+  member i of global prompt p has sample id ``p * group_size + i``; rows come prompt-major
+  ([P] indices -> [P * G] ids). numpy in, numpy out; a jax array (or tracer) in, jnp out, in the
+  indices' dtype."""
+  if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+    raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+  import numpy as np
+  xp = jnp if isinstance(prompt_indices, jax.Array) else np
+  idx = xp.asarray(prompt_indices)
+  return (idx[:, None] * group_size + xp.arange(group_size, dtype=idx.dtype)[None]).reshape(-1)
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:

@@ -38,6 +38,7 @@ def _one_line_exit_2(capsys, fn, name):
   return lines[0]
 
 
+@pytest.mark.slow  # a GRPO run + 4 arms: about 1 min
 def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   mod = load_script()

@@ -256,3 +256,20 @@ def test_steps_reject_bad_input(small_model):
   with pytest.raises(ValueError, match="proposer_params must be given exactly when"):
     ro(state, jax.tree.map(lambda x: jnp.concatenate([x, x[:1]]), pb), 0,
        H.init(jax.random.key(0), config, 3))
+
+
+def test_group_sample_ids_rule_numpy_jnp_and_traced():
+  """The sample-id rule, written once: member i of global prompt p has id p * G + i, rows in
+  prompt-major order, the same from numpy, jnp and inside jit (the loop, pipeline and on-device
+  step all call it)."""
+  from specroll_jax import pipeline
+  from specroll_jax.sampling import group_sample_ids
+  want = np.array([21, 22, 23, 27, 28, 29])
+  np.testing.assert_array_equal(group_sample_ids(np.array([7, 9]), 3), want)
+  np.testing.assert_array_equal(np.asarray(group_sample_ids(jnp.array([7, 9]), 3)), want)
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(lambda i: group_sample_ids(i, 3))(jnp.array([7, 9], jnp.int32))), want)
+  _, sids = pipeline.grpo_batch([[1], [2]], 3, first_prompt_index=7)
+  np.testing.assert_array_equal(sids, [21, 22, 23, 24, 25, 26])
+  with pytest.raises(ValueError, match="group_size must be an int >= 1, got 0"):
+    group_sample_ids(np.array([1]), 0)

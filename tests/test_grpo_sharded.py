@@ -9,6 +9,7 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
 from conftest import run_on_cpu_devices
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +89,7 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a 4-device subprocess
 def test_grpo_steps_same_update_on_1_and_4_devices(tmp_path):
   res = run_on_cpu_devices(tmp_path, _SCRIPT)
   print(json.dumps({k: {f: v[f] for f in ("param_diff", "update")} for k, v in res.items()}))

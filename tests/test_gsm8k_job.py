@@ -17,6 +17,8 @@ import pytest
 from specroll_jax import cond_heads as CH
 from specroll_jax import models
 
+pytestmark = pytest.mark.slow  # the main job end to end, in subprocesses: minutes
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "experiments" / "gsm8k.py"
 TIMING = "seconds"  # wall-clock fields differ between runs; every other metric must not

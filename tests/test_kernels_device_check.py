@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "device_check.py"
 
 
@@ -18,6 +20,7 @@ def _run(tmp_path, *args, timeout):
   return json.loads((tmp_path / "device_check.json").read_text())
 
 
+@pytest.mark.slow  # every kernel case in interpret mode
 def test_interpret_run_passes_every_case(tmp_path):
   report = _run(tmp_path, "--interpret", timeout=240)
   cases = report["cases"]

@@ -8,6 +8,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from conftest import run_on_cpu_devices
 
 from specroll_jax import heads as H
@@ -97,6 +98,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a 4-device subprocess
 def test_rollouts_under_shard_map_on_4_devices(tmp_path):
   res = run_on_cpu_devices(tmp_path, _SHARDED)
   lens = np.array(res["lengths"])

@@ -34,6 +34,7 @@ from specroll_jax.data.tasks import Task
 from specroll_jax.grpo.config import GRPOConfig
 from specroll_jax.grpo.loss import group_advantages
 from specroll_jax.grpo.step import Batch, init_train_state, make_train_step
+from specroll_jax.sampling import group_sample_ids
 from specroll_jax.traces import TraceWriter
 
 ROLLOUTS = ("vanilla", "specroll", "static-heads")
@@ -247,7 +248,7 @@ class Run:
     g = run.grpo.group_size
     toks, lens, golds, idx = self.data.batch(step * run.prompts_per_step, run.prompts_per_step)
     rep = lambda a: np.repeat(a, g, axis=0)
-    sids = (idx[:, None] * g + np.arange(g)[None]).reshape(-1).astype(np.int64)
+    sids = group_sample_ids(np.asarray(idx, np.int64), g)
     return rep(toks), rep(lens), [x for x in golds for _ in range(g)], sids
 
   def warmup(self) -> dict:

@@ -35,6 +35,7 @@ from specroll_jax.grpo.step import AXIS, Batch, TrainState
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer
+from specroll_jax.sampling import group_sample_ids
 from specroll_jax.speculative import speculative_rollout
 from specroll_jax.vanilla import vanilla_rollout
 
@@ -81,7 +82,7 @@ def rollout_train_step(state: TrainState, prompts: PromptBatch, seed, proposer_p
   def local(state, prompts, seed, proposer_params):
     def fn(params_v, pr: PromptBatch):
       ptok, plen = rep(pr.tokens), rep(pr.lengths)
-      sids = (pr.indices[:, None] * g + jnp.arange(g, dtype=jnp.int32)[None]).reshape(-1)
+      sids = group_sample_ids(pr.indices.astype(jnp.int32), g)
       if proposer is None:
         out = vanilla_rollout(config, state.params, ptok, plen, sids, eos, seed, settings=settings)
       else:
