@@ -104,3 +104,21 @@ def ancestor_closure(parent, valid):
         want[i, j] = True
         j = int(parent[j])
   return want
+
+
+EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                           "experiments")
+
+
+def load_script(name: str):
+  """An experiment script (``experiments/<name>``) as a module, with its folder on sys.path as
+  when it runs as a script; tests call its ``main(argv)`` in-process."""
+  import importlib.util
+  import sys
+  if EXPERIMENTS not in sys.path:
+    sys.path.insert(0, EXPERIMENTS)
+  spec = importlib.util.spec_from_file_location(f"_exp_{name[:-3]}",
+                                                os.path.join(EXPERIMENTS, name))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod

@@ -2,30 +2,15 @@
 orbax, replayed by every quick arm with the vanilla tokens), reuse of a saved sequence, and bad
 input (a --policies folder of another model's checkpoints, an unknown arm): one line, exit 2."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from conftest import load_script
 
 from specroll_jax import pipeline
 from specroll_jax.checkpoint import Checkpointer
-
-EXP = Path(__file__).resolve().parents[1] / "experiments"
-
-
-def load_script():
-  """The script as a module (its folder on sys.path, as when run as a script)."""
-  if str(EXP) not in sys.path:
-    sys.path.insert(0, str(EXP))
-  spec = importlib.util.spec_from_file_location("_exp_bench_adaptation",
-                                                EXP / "bench_adaptation.py")
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
 
 
 def _one_line_exit_2(capsys, fn, name):
@@ -41,7 +26,7 @@ def _one_line_exit_2(capsys, fn, name):
 @pytest.mark.slow  # a GRPO run + 4 arms: about 1 min
 def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
-  mod = load_script()
+  mod = load_script("bench_adaptation.py")
   pol, out = tmp_path / "policies", tmp_path / "out" / "bench.json"
   res = mod.main(["--quick", "--policies", str(pol), "--out", str(out)])
   data = json.loads(out.read_text())
@@ -89,7 +74,7 @@ def test_policies_of_another_model_shape_exit_2(tmp_path, monkeypatch, capsys):
   with Checkpointer(pol, max_to_keep=None, async_save=False) as ck:
     ck.save(0, {"embed": {"embedding": rng.normal(size=(16, 8)).astype(np.float32)},
                 "w": rng.normal(size=(8, 8)).astype(np.float32)}, {"step": 0})
-  main = load_script().main
+  main = load_script("bench_adaptation.py").main
   line = _one_line_exit_2(capsys, lambda: main(["--quick", "--policies", str(pol), "--out",
                                                 str(tmp_path / "o.json")]), "--policies")
   assert str(pol) in line and "do not match the model" in line
@@ -102,7 +87,7 @@ def test_policies_of_another_model_meta_exit_2(tmp_path, monkeypatch, capsys):
   with Checkpointer(pol, max_to_keep=None, async_save=False) as ck:  # the right tree, other model
     ck.save(0, params, {"step": 0, "model": {"path": "/elsewhere", "config_hash": "0" * 16,
                                              "weights_hash": "1" * 16}})
-  main = load_script().main
+  main = load_script("bench_adaptation.py").main
   line = _one_line_exit_2(capsys, lambda: main(["--quick", "--policies", str(pol), "--out",
                                                 str(tmp_path / "o.json")]), "--policies")
   assert "another model" in line
@@ -110,5 +95,5 @@ def test_policies_of_another_model_meta_exit_2(tmp_path, monkeypatch, capsys):
 
 def test_unknown_arm_exit_2(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
-  main = load_script().main
+  main = load_script("bench_adaptation.py").main
   _one_line_exit_2(capsys, lambda: main(["--arms", "static", "fastest"]), "--arms")

@@ -3,13 +3,9 @@ never a traceback (and never after minutes of work: flags are checked first). Th
 ``main(argv)`` runs in-process (the same code path as the command line, without an interpreter
 launch per case)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
-
-EXP = Path(__file__).resolve().parents[1] / "experiments"
+from conftest import load_script
 
 CASES = [
     ("bench_decode.py", ["--batches", "0"], "--batches"),
@@ -39,16 +35,6 @@ CASES = [
     ("gsm8k.py", ["--steps", "many"], "--steps"),
     ("gsm8k.py", ["--resume"], "--resume"),
 ]
-
-
-def load_script(name: str):
-  """An experiment script as a module (its folder on sys.path, as when run as a script)."""
-  if str(EXP) not in sys.path:
-    sys.path.insert(0, str(EXP))
-  spec = importlib.util.spec_from_file_location(f"_exp_{name[:-3]}", EXP / name)
-  mod = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(mod)
-  return mod
 
 
 @pytest.mark.parametrize("script,flags,name", CASES, ids=lambda x: str(x))
