@@ -40,7 +40,7 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import adaptation, cli, pipeline, rollout
+from specroll_jax import adaptation, cli, distributed, pipeline, rollout
 from specroll_jax import slow_path as SP
 from specroll_jax.data import synthetic as _synthetic
 from specroll_jax.data.tasks import TASKS, Task
@@ -100,7 +100,13 @@ def parse(argv):
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/gsm8k")
   ap.add_argument("--resume", action="store_true", help="continue the run in --out")
+  ap.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                  help="several processes: process 0's address (with --num-processes, "
+                       "--process-id; see specroll_jax.distributed)")
+  ap.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+  ap.add_argument("--process-id", type=int, default=None, help="this process, 0 .. N-1")
   a = ap.parse_args(argv)
+  check_processes(a)
   if a.task is None:
     a.task = "synthetic" if a.model is None else "gsm8k"
   syn = a.task != "gsm8k"
@@ -134,6 +140,28 @@ def parse(argv):
   if not a.resume and (out / a.rollout / "checkpoints").is_dir():
     cli.fail("--out", a.out, "already holds a run: pass --resume or choose another --out")
   return a
+
+
+def check_processes(a) -> None:
+  """--coordinator, --num-processes, --process-id: all three or none, each valid. Only one process
+  is supported: ``Run`` feeds the step host arrays and reads rollouts back on the host, which is
+  not multi-process-correct (the train step alone is: tests/test_multiprocess.py)."""
+  flags = {"--coordinator": a.coordinator, "--num-processes": a.num_processes,
+           "--process-id": a.process_id}
+  missing = [f for f, v in flags.items() if v is None]
+  if missing and len(missing) < 3:
+    cli.fail(missing[0], None, "--coordinator, --num-processes and --process-id go together "
+             f"(all three or none); missing {', '.join(missing)}")
+  if missing:
+    return
+  try:
+    distributed.check_args(a.coordinator, a.num_processes, a.process_id)
+  except ValueError as e:
+    flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
+    cli.fail(flag, flags.get(flag), str(e))
+  if a.num_processes > 1:
+    cli.fail("--num-processes", a.num_processes, "multi-process runs of the main job are not "
+             "supported yet; the train step is: see tests/test_multiprocess.py")
 
 
 def run_config(a, *, rollout_kind: str) -> RunConfig:
@@ -210,6 +238,8 @@ TASK_NOTE = {
 
 def main(argv=None):
   a = parse(argv)
+  if a.coordinator is not None:  # before any JAX computation
+    distributed.initialize(a.coordinator, a.num_processes, a.process_id)
   out = Path(a.out)
   out.mkdir(parents=True, exist_ok=True)
   print(f"task: {a.task}: " + TASK_NOTE[a.task].format(level=a.level), flush=True)

@@ -34,6 +34,16 @@ CASES = [
     ("gsm8k.py", ["--rollout", "fast"], "--rollout"),
     ("gsm8k.py", ["--steps", "many"], "--steps"),
     ("gsm8k.py", ["--resume"], "--resume"),
+    ("gsm8k.py", ["--coordinator", "127.0.0.1:1234"], "--num-processes"),
+    ("gsm8k.py", ["--num-processes", "2", "--process-id", "0"], "--coordinator"),
+    ("gsm8k.py", ["--coordinator", "localhost", "--num-processes", "2", "--process-id", "0"],
+     "--coordinator"),
+    ("gsm8k.py", ["--coordinator", "h:1234", "--num-processes", "0", "--process-id", "0"],
+     "--num-processes"),
+    ("gsm8k.py", ["--coordinator", "h:1234", "--num-processes", "2", "--process-id", "2"],
+     "--process-id"),
+    ("gsm8k.py", ["--coordinator", "h:1234", "--num-processes", "2", "--process-id", "1"],
+     "--num-processes"),
 ]
 
 
