@@ -13,7 +13,9 @@ closed form from unembedding rows: no backprop) and one observation of the cosin
 state's sketch at proposal time and g's sketch. trust and eligibility come from the running lower
 confidence bound (LCB) of those cosines (Welford / Chan), the observation count, the accumulated
 severity and the state's size. Everything is static-shaped and runs inside the jitted decode loop;
-a proposer can only change speed, never the committed tokens.
+a proposer can only change speed, never the committed tokens. Steps where no row records skip
+building records, and steps where no record matures skip the feedback math (``lax.cond``, the
+results unchanged); ``ReflexConfig.stride`` > 1 makes feedback rounds rarer where rows are few.
 
 Between rollout batches, ``end_batch`` updates each head's global safety factor from the free
 counterfactual (target mass captured by the corrected vs the raw head's candidates).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import flax.struct
 import jax
@@ -34,6 +37,7 @@ from specroll_jax import head_kinds
 from specroll_jax import heads as _heads
 from specroll_jax import records as _records
 from specroll_jax import tree as _tree
+from specroll_jax._vma import vary_like
 from specroll_jax.config import DEFAULT_TOPK
 from specroll_jax.models import decoder as _dec
 from specroll_jax.proposers.base import Proposer
@@ -73,7 +77,10 @@ class ReflexConfig:
   cov_weight: float = 1.0
   weak: int = 2  # weakest candidates the coverage term moves mass away from
   severity_floor: float = 0.02  # a matured record updates m only when its severity >= this
-  stride_rows: float = 4.0  # feedback every max(1, ceil(stride_rows * active / batch)) steps
+  stride_rows: float = 4.0  # feedback every max(stride, ceil(stride_rows * active / batch)) steps
+  stride: int = 1  # least steps between feedback rounds (1: the row-adaptive stride alone).
+  #                  Whatever the stride, a step where no row records skips building records and
+  #                  one where none matures skips the feedback math (lax.cond; same results)
   safety_start: float = 1.0  # global safety per head, in [safety_min, safety_max]
   safety_min: float = 0.125
   safety_max: float = 1.0
@@ -107,7 +114,7 @@ class ReflexConfig:
                        "0 <= r_min <= r_max per head")
     if any(not (0 < r < 1) for r in self.rho):
       raise ValueError(f"ReflexConfig.rho must lie in (0, 1), got {self.rho}")
-    for name in ("sketch_dim", "top", "weak", "down_after", "up_after"):
+    for name in ("sketch_dim", "top", "weak", "down_after", "up_after", "stride"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 1:
         raise ValueError(f"ReflexConfig.{name} must be an int >= 1, got {v!r}")
@@ -402,6 +409,21 @@ def _zeros_fast(n: int, k: int, d: int) -> FastState:
   return FastState(m=jnp.zeros((n, k, d), jnp.float32), count=z, mean=z, m2=z, severity=z)
 
 
+class _Matured(NamedTuple):
+  """What one step's matured records contribute (``ReflexProposer._mature``): per (row, head)
+  observation count / sum / sum of squares, severity added, the fast state's increment dm
+  [R, K, D], non-finite feedback, the slow path's records and the per-head statistics."""
+
+  cnt: jax.Array
+  tot: jax.Array
+  sq: jax.Array
+  sev_add: jax.Array
+  dm: jax.Array
+  bad: jax.Array
+  records: _records.Records | None
+  stats: dict
+
+
 # -------------------------------------------------------------------------------- proposer
 
 
@@ -515,11 +537,37 @@ class ReflexProposer(Proposer):
       lp = jax.nn.log_softmax(logits[:, : len(topk)], axis=-1)
       tr = _tree.plan(inp.root, lp, inp.budget, num_nodes=num_nodes, topk=topk)
       ctx = jnp.full(z.shape[:2] + (k,), -1, jnp.int32)
-    # prediction records, on feedback rounds
+    # prediction records, on feedback rounds (skipped, as a whole, when no row records)
     n_active = active.sum()
-    stride = jnp.maximum(1, jnp.ceil(cfg.stride_rows * n_active / shared.batch_rows)).astype(
-        jnp.int32)
+    stride = jnp.maximum(cfg.stride, jnp.ceil(cfg.stride_rows * n_active / shared.batch_rows)
+                         ).astype(jnp.int32)
     rnd = active & (rows.steps % stride == 0)
+    if cfg.conditioned:  # heads the tree did not reach (num_nodes < K) record nothing
+      rnd_k = rnd[:, None] & (jnp.arange(k) < min(k, num_nodes))[None]
+    else:
+      rnd_k = jnp.broadcast_to(rnd[:, None], (rnd.shape[0], k))
+
+    def record():
+      return self._record(target, fast, inp, tr, z, zc, c, logits, ctx, eligible, rnd, rnd_k,
+                          rows.pending)
+
+    pend = jax.lax.cond(rnd_k.any(), record, lambda: rows.pending)
+    finite_low = jnp.isfinite(low) & active[:, None]
+    rows = rows.replace(pending=pend, steps=rows.steps + active.astype(jnp.int32),
+                        proposed=rows.proposed + active.astype(jnp.int32),
+                        applied=rows.applied + eligible.astype(jnp.int32),
+                        ratio_sum=rows.ratio_sum + jnp.where(eligible, ratio, 0.0),
+                        lcb_sum=rows.lcb_sum + jnp.where(finite_low, low, 0.0),
+                        lcb_n=rows.lcb_n + finite_low.astype(jnp.int32),
+                        expected=(None if expected is None
+                                  else jnp.where(active[:, None], expected, 0.0)))
+    return tr, (rows, shared)
+
+  def _record(self, target, fast: FastState, inp, tr, z, zc, c, logits, ctx, eligible, rnd,
+              rnd_k, pend: Pending) -> Pending:
+    """The pending records with each recording (row, head)'s prediction written to its slot."""
+    cfg = self.config
+    k = cfg.num_heads
     cmax = cfg.max_candidates
     kc = jnp.asarray(cfg.topk)[None, :, None]
     jj = jnp.arange(cmax)[None, None]
@@ -530,10 +578,6 @@ class ReflexProposer(Proposer):
         lambda: jnp.where(jj < kc, jax.lax.top_k(_dec.logits_from_hidden(
             target.config, target.params, z), cmax)[1], -1),
         lambda: corr_top)
-    if cfg.conditioned:  # heads the tree did not reach (num_nodes < K) record nothing
-      rnd_k = rnd[:, None] & (jnp.arange(k) < min(k, num_nodes))[None]
-    else:
-      rnd_k = jnp.broadcast_to(rnd[:, None], (rnd.shape[0], k))
     ks = jnp.arange(1, k + 1)
     at_depth = tr.valid[:, None, :] & (tr.depth[:, None, :] == ks[None, :, None])  # [R, K, N1]
     present = ((tr.tokens[:, None, None, :] == corr_top[..., None])
@@ -549,23 +593,12 @@ class ReflexProposer(Proposer):
     put = lambda old, new: jnp.where(sel.reshape(sel.shape + (1,) * (old.ndim - 3)),
                                      jnp.expand_dims(new, 2).astype(old.dtype), old)
     hid = jnp.broadcast_to(inp.hidden[:, None].astype(jnp.float32), z.shape)
-    pend = rows.pending
-    pend = Pending(position=put(pend.position, pos), hidden=put(pend.hidden, hid),
+    return Pending(position=put(pend.position, pos), hidden=put(pend.hidden, hid),
                    head=put(pend.head, zc.astype(jnp.float32)), correction=put(pend.correction, c),
                    qtop=put(pend.qtop, qtop), cand=put(pend.cand, cand),
                    corr_top=put(pend.corr_top, corr_top), raw_top=put(pend.raw_top, raw_top),
                    sigma=put(pend.sigma, sigma), has_sigma=put(pend.has_sigma, has_sigma),
                    applied=put(pend.applied, eligible), path=put(pend.path, ctx))
-    finite_low = jnp.isfinite(low) & active[:, None]
-    rows = rows.replace(pending=pend, steps=rows.steps + active.astype(jnp.int32),
-                        proposed=rows.proposed + active.astype(jnp.int32),
-                        applied=rows.applied + eligible.astype(jnp.int32),
-                        ratio_sum=rows.ratio_sum + jnp.where(eligible, ratio, 0.0),
-                        lcb_sum=rows.lcb_sum + jnp.where(finite_low, low, 0.0),
-                        lcb_n=rows.lcb_n + finite_low.astype(jnp.int32),
-                        expected=(None if expected is None
-                                  else jnp.where(active[:, None], expected, 0.0)))
-    return tr, (rows, shared)
 
   def _propose_conditioned(self, target, heads, glob: ReflexGlobal, fast: FastState, inp,
                            num_nodes: int, active):
@@ -609,6 +642,71 @@ class ReflexProposer(Proposer):
     jc = jnp.clip(j, 0, d1 - 1)
     kept = jnp.take_along_axis(fb.keep, jc.reshape(r, -1), axis=1).reshape(jc.shape)
     due = (pend.position >= 0) & (j >= 0) & (j < fb.path_len[:, None, None]) & kept
+    fast = self._view(rows, shared, fb.row)
+    n_commit = fb.keep.sum(1).astype(jnp.float32)[:, None, None]  # [R, 1, 1]
+    rho = jnp.asarray(cfg.rho, jnp.float32)[None, :, None]  # [1, K, 1]
+
+    def matured():
+      return self._mature(target, pend, fb, due, j, jc, n_commit, rho, shared.records)
+
+    def idle():  # nothing matures: what ``matured`` gives then, without computing it
+      zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(matured))
+      return vary_like(zeros, pend.position, fb.position)._replace(records=shared.records)
+
+    mat = jax.lax.cond(due.any(), matured, idle)
+    # m decays once per committed token; a matured record adds at its token's place in order
+    m = rho ** n_commit * fast.m + mat.dm
+    m = m / jnp.maximum(1.0, _rms(m))[..., None]
+    bad_row = ~jnp.isfinite(m).all(-1) | mat.bad  # [R, K]
+    if cfg.share_group == 0:
+      new = welford_merge(fast, mat.cnt, mat.tot, mat.sq).replace(
+          m=m, severity=fast.severity + mat.sev_add)
+      bad = bad_row | ~(jnp.isfinite(new.mean) & jnp.isfinite(new.m2))
+      rows = rows.replace(fast=_reset(new, bad))
+    else:  # a group takes its rows' observations and the mean change of its active rows' m
+      gid = fb.row // cfg.share_group
+      grp = shared.group
+      seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=grp.m.shape[0])
+      w = fb.active.astype(jnp.float32)
+      gm = grp.m + seg((m - fast.m) * w[:, None, None]) / jnp.maximum(seg(w), 1)[:, None, None]
+      gm = gm / jnp.maximum(1.0, _rms(gm))[..., None]
+      newg = welford_merge(grp, seg(mat.cnt), seg(mat.tot), seg(mat.sq)).replace(
+          m=gm, severity=grp.severity + seg(mat.sev_add))
+      badg = (seg(bad_row.astype(jnp.int32)) > 0) | ~(
+          jnp.isfinite(newg.m).all(-1) & jnp.isfinite(newg.mean) & jnp.isfinite(newg.m2))
+      shared = shared.replace(group=_reset(newg, badg))
+      bad = badg[gid] & fb.active[:, None]
+    shared = shared.replace(records=mat.records)
+    # matured records leave the ring; a finished row drops its pending records
+    position = jnp.where(due | fb.done[:, None, None], -1, pend.position)
+    per_head = lambda x: x.sum(axis=tuple(i for i in range(x.ndim) if i != 1))
+    stats = {
+        "reflex_row_head_steps": jnp.broadcast_to(rows.proposed.sum(), (k,)).astype(jnp.int32),
+        "reflex_applied": per_head(rows.applied),
+        "reflex_ratio_sum": per_head(rows.ratio_sum),
+        "reflex_lcb_sum": per_head(rows.lcb_sum),
+        "reflex_lcb_n": per_head(rows.lcb_n),
+        **mat.stats,
+        "reflex_resets": per_head(bad.astype(jnp.int32)),
+    }
+    if cfg.conditioned:  # expected accepted nodes by tree size, for goodput
+      on = (rows.proposed > 0) & fb.active
+      stats["reflex_expected"] = jnp.where(on[:, None], rows.expected, 0.0).sum(0)
+      stats["reflex_expected_n"] = on.sum().astype(jnp.int32)
+    stats = {name: stats[name] for name in self.init_stats()}  # one order, whichever branch
+    zk = jnp.zeros_like(rows.applied)
+    rows = rows.replace(pending=pend.replace(position=position), applied=zk,
+                        proposed=jnp.zeros_like(rows.proposed),
+                        ratio_sum=jnp.zeros_like(rows.ratio_sum),
+                        lcb_sum=jnp.zeros_like(rows.lcb_sum), lcb_n=zk)
+    return (rows, shared), stats
+
+  def _mature(self, target, pend: Pending, fb, due, j, jc, n_commit, rho, records) -> _Matured:
+    """What the records that mature in this step contribute (all zeros, and ``records`` as is,
+    when none does): the feedback math, the observations, the state's increment and the slow
+    path's records."""
+    cfg = self.config
+    r, k, s = pend.position.shape
     mature = due
     if cfg.conditioned:  # a head's prediction counts only if the path it read was committed
       start = pend.position - jnp.arange(k)[None, :, None] - 1  # the root's position
@@ -629,77 +727,37 @@ class ReflexProposer(Proposer):
     gs = gs / jnp.maximum(jnp.linalg.norm(gs, axis=-1, keepdims=True), _TINY)
     cos = (pend.sigma * gs).sum(-1)
     obs = ok & pend.has_sigma & (jnp.linalg.norm(mt.g, axis=-1) > 0)
-    fast = self._view(rows, shared, fb.row)
     cnt = obs.sum(-1)
     tot = jnp.where(obs, cos, 0.0).sum(-1)
     sq = jnp.where(obs, cos * cos, 0.0).sum(-1)
     sev_add = jnp.where(use, mt.severity, 0.0).sum(-1)
-    # m decays once per committed token; a matured record adds at its token's place in order
-    n_commit = fb.keep.sum(1).astype(jnp.float32)[:, None, None]  # [R, 1, 1]
-    rho = jnp.asarray(cfg.rho, jnp.float32)[None, :, None]  # [1, K, 1]
     unit = jnp.where(use[..., None], mt.g / jnp.maximum(_rms(mt.g), _TINY)[..., None], 0.0)
     weight = jnp.where(use, (1 - rho) * mt.severity * rho ** (n_commit - 1 - j), 0.0)
-    m = rho ** n_commit * fast.m + jnp.einsum("rks,rksd->rkd", weight, unit)
-    m = m / jnp.maximum(1.0, _rms(m))[..., None]
-    bad_row = ~jnp.isfinite(m).all(-1) | (mature & ~finite).any(-1)  # [R, K]
-    if cfg.share_group == 0:
-      new = welford_merge(fast, cnt, tot, sq).replace(m=m, severity=fast.severity + sev_add)
-      bad = bad_row | ~(jnp.isfinite(new.mean) & jnp.isfinite(new.m2))
-      rows = rows.replace(fast=_reset(new, bad))
-    else:  # a group takes its rows' observations and the mean change of its active rows' m
-      gid = fb.row // cfg.share_group
-      grp = shared.group
-      seg = lambda x: jax.ops.segment_sum(x, gid, num_segments=grp.m.shape[0])
-      w = fb.active.astype(jnp.float32)
-      gm = grp.m + seg((m - fast.m) * w[:, None, None]) / jnp.maximum(seg(w), 1)[:, None, None]
-      gm = gm / jnp.maximum(1.0, _rms(gm))[..., None]
-      newg = welford_merge(grp, seg(cnt), seg(tot), seg(sq)).replace(
-          m=gm, severity=grp.severity + seg(sev_add))
-      badg = (seg(bad_row.astype(jnp.int32)) > 0) | ~(
-          jnp.isfinite(newg.m).all(-1) & jnp.isfinite(newg.mean) & jnp.isfinite(newg.m2))
-      shared = shared.replace(group=_reset(newg, badg))
-      bad = badg[gid] & fb.active[:, None]
+    dm = jnp.einsum("rks,rksd->rkd", weight, unit)
     # records for the slow path
-    if shared.records is not None:
+    hit = _member(token[..., None], pend.cand)[..., 0]
+    if records is not None:
       kflat = lambda x: jnp.swapaxes(x, 0, 1).reshape((k, r * s) + x.shape[3:])
-      hit = _member(token[..., None], pend.cand)[..., 0]
       batch = _records.Records(
           hidden=kflat(pend.hidden), correction=kflat(pend.correction), support=kflat(mt.support),
           p=kflat(mt.p), p_tail=kflat(mt.p_tail), token=kflat(token), candidates=kflat(pend.cand),
           hit=kflat(hit), tv=kflat(mt.tv), position=kflat(pend.position),
           valid=kflat(ok), count=jnp.zeros((k,), jnp.int32),
           path=kflat(pend.path) if cfg.conditioned else None)
-      shared = shared.replace(records=_records.write(shared.records, batch, kflat(ok)))
-    # matured records leave the ring; a finished row drops its pending records
-    position = jnp.where(due | fb.done[:, None, None], -1, pend.position)
+      records = _records.write(records, batch, kflat(ok))
     applied = ok & pend.applied
     per_head = lambda x: x.sum(axis=tuple(i for i in range(x.ndim) if i != 1))
     stats = {
-        "reflex_row_head_steps": jnp.broadcast_to(rows.proposed.sum(), (k,)).astype(jnp.int32),
-        "reflex_applied": per_head(rows.applied),
-        "reflex_ratio_sum": per_head(rows.ratio_sum),
-        "reflex_lcb_sum": per_head(rows.lcb_sum),
-        "reflex_lcb_n": per_head(rows.lcb_n),
         "reflex_matured": per_head(ok.astype(jnp.int32)),
         "reflex_updates": per_head(use.astype(jnp.int32)),
         "reflex_tv_sum": per_head(jnp.where(ok, mt.tv, 0.0)),
-        "reflex_hits": per_head((ok & _member(token[..., None], pend.cand)[..., 0]).astype(
-            jnp.int32)),
-        "reflex_resets": per_head(bad.astype(jnp.int32)),
+        "reflex_hits": per_head((ok & hit).astype(jnp.int32)),
         "reflex_gain_sum": per_head(jnp.where(applied, mt.gain, 0.0)),
         "reflex_gain_sq": per_head(jnp.where(applied, mt.gain * mt.gain, 0.0)),
         "reflex_gain_n": per_head(applied.astype(jnp.int32)),
     }
-    if cfg.conditioned:  # expected accepted nodes by tree size, for goodput
-      on = (rows.proposed > 0) & fb.active
-      stats["reflex_expected"] = jnp.where(on[:, None], rows.expected, 0.0).sum(0)
-      stats["reflex_expected_n"] = on.sum().astype(jnp.int32)
-    zk = jnp.zeros_like(rows.applied)
-    rows = rows.replace(pending=pend.replace(position=position), applied=zk,
-                        proposed=jnp.zeros_like(rows.proposed),
-                        ratio_sum=jnp.zeros_like(rows.ratio_sum),
-                        lcb_sum=jnp.zeros_like(rows.lcb_sum), lcb_n=zk)
-    return (rows, shared), stats
+    return _Matured(cnt=cnt, tot=tot, sq=sq, sev_add=sev_add, dm=dm,
+                    bad=(mature & ~finite).any(-1), records=records, stats=stats)
 
   def expected_gain(self, state, num_nodes: int):
     rows = state[0]

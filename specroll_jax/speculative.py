@@ -34,6 +34,7 @@ from specroll_jax import verify as _verify
 from specroll_jax._vma import vary_like
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.models import decoder as _dec
+from specroll_jax.proposers import contract as _contract
 from specroll_jax.proposers.base import Feedback, ProposeInput, Proposer, RowsInit, Target
 from specroll_jax.results import Rollout, RolloutStats, SpecStats
 from specroll_jax.vanilla import decode_step
@@ -96,9 +97,11 @@ def init_state(config, params, proposer: Proposer, proposer_params, prompt_token
       jnp.where(known, prompt_tokens, -1).astype(jnp.int32)[:, :w])
   history = history.at[rows, prompt_lengths].set(st.token, mode="drop")
   target = Target(config=config, params=params, sampling=settings.sampling)
+  _contract.check_properties(proposer, config.vocab_size)
   prow, pshared = proposer.split_state(proposer.init(target, proposer_params, RowsInit(
       prompt_tokens=prompt_tokens, prompt_lengths=prompt_lengths, sample_ids=sample_ids, row=rows,
       first_token=st.token, hidden=st.hidden)))
+  _contract.check_rows_state(proposer, "init", prow, b)  # trace time: shapes only
   slots = Slots(cache=st.cache, root=st.token, hidden=st.hidden, row=rows, sample_ids=sample_ids,
                 n_out=st.n_out, done=st.done, history=history, proposer=prow)
   kd = proposer.max_depth
@@ -224,7 +227,7 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
   active = ~sl.done
   length = sl.cache.lengths  # L: position of the root
   target = Target(config=config, params=params, sampling=settings.sampling)
-  pstate = proposer.join_state(sl.proposer, s.shared)
+  pstate = start = proposer.join_state(sl.proposer, s.shared)
   topm = proposer.feedback_topm
   ct = s.counters
   skipped = jnp.int32(0)
@@ -232,11 +235,15 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
     st = _plain(config, params, s, eos_ids, seed, settings, d1)
   else:
     budget = jnp.where(active, num_nodes, 0)
-    tr, pstate = proposer.propose(target, proposer_params, pstate, ProposeInput(
-        hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
-        row=sl.row, sample_ids=sl.sample_ids, responses=s.out.tokens,
-        response_lengths=s.out.lengths), num_nodes=num_nodes)
+    tr, pstate = _contract.check_propose_output(proposer, proposer.propose(
+        target, proposer_params, pstate, ProposeInput(
+            hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
+            row=sl.row, sample_ids=sl.sample_ids, responses=s.out.tokens,
+            response_lengths=s.out.lengths), num_nodes=num_nodes), sl.root.shape[0], num_nodes)
+    tr = _tree.sanitize(tr, sl.root, proposer.max_depth)  # a bad tree: slow, never wrong
+    proposed = pstate
     gain = None if gate is None else proposer.expected_gain(pstate, num_nodes)
+    _contract.check_gain(proposer, gain, sl.root.shape[0])
     if gain is None:
       res = _verify.verify(config, params, tr, sl.cache, seed, sl.sample_ids, settings.sampling,
                            max_depth=proposer.max_depth, kernels=settings.kernels, topm=topm)
@@ -264,7 +271,10 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
                   position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
                   done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=st.topm_ids,
                   topm_logprobs=st.topm_logprobs, lse=st.lse, history=history)
-    pstate, pstats = proposer.update(target, proposer_params, pstate, fb)
+    pstate, pstats = _contract.check_update_output(
+        proposer, proposer.update(target, proposer_params, pstate, fb))
+    _contract.check_step_state(proposer, start, proposed, pstate)  # trace time: shapes only
+    _contract.check_stats(proposer, pstats, ct.proposer)
   prow, pshared = proposer.split_state(pstate)
   slots = sl.replace(cache=cache, root=jnp.where(active, new_root, sl.root),
                      hidden=jnp.where(active[:, None], new_hidden, sl.hidden), n_out=em.n_out,

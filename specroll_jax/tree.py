@@ -40,6 +40,62 @@ _MIN_STEP = 1e-3  # every edge lowers the score by at least this (strict parent 
 
 @flax.struct.dataclass
 class Tree:
+  """One speculation tree per row: what ``Proposer.propose`` returns (the rules live here only).
+
+  **Shapes** (checked at trace time by ``proposers.contract.check_tree``; R = the rows of the
+  ``ProposeInput``, N = the static ``num_nodes`` the engine asked for, N1 = N + 1):
+
+  ============  ==============  ======  ==============================================
+  field         shape           dtype   meaning
+  ============  ==============  ======  ==============================================
+  ``tokens``    [R, N1]         int32   each node's token
+  ``depth``     [R, N1]         int32   its depth (root 0)
+  ``parent``    [R, N1]         int32   index of its parent node (root -1)
+  ``valid``     [R, N1]         bool    the node is part of the tree
+  ``mask``      [R, N1, N1]     bool    mask[r, i, j]: j is i or an ancestor of i
+  ============  ==============  ======  ==============================================
+
+  The node axis is exactly N1: never more nodes than ``num_nodes``; a smaller tree gets invalid
+  nodes appended with ``pad``. Any node order is accepted, but the library's builders keep
+  parents before their children (``merge_chain`` relies on it).
+
+  **Rules on values.** The engine cannot check these at trace time; it enforces 1-5 on every
+  step instead (``sanitize``), so breaking one costs speed, never exactness.
+
+  1. Node 0 is the root: ``tokens[:, 0] = ProposeInput.root``, ``depth[:, 0] = 0``,
+     ``parent[:, 0] = -1``, ``valid[:, 0] = True``, and row 0 of ``mask`` holds only [0, 0].
+     The verify forward runs the root at position L and commits its K/V.
+  2. ``mask`` is the ancestor-or-self relation of the valid nodes. ``mask[r, i, j]`` is True iff
+     i == j, or i and j are valid and j is an ancestor of i (the root is an ancestor of every
+     valid node). The diagonal is always True, so an invalid node attends only the cache and
+     itself. ``ancestor_mask(parent, valid, max_depth)`` derives it from the parents. A node that
+     attends anything else is verified in the wrong context.
+  3. A valid node i > 0 has ``depth[i] = depth[parent[i]] + 1``. It is run at position
+     L + depth[i], and the committed path is read off by depth.
+  4. Prefix-closed validity: a valid node's parent is valid. A node under an invalid parent is
+     never accepted, so it only wastes a slot. Every ``parent`` lies in [-1, N]; -1 is for the
+     root and, if you like, for invalid nodes.
+  5. Depth: valid nodes have 1 <= depth <= ``Proposer.max_depth``. Deeper nodes are never
+     accepted (the acceptance walk takes ``max_depth`` hops).
+  6. Budget: at most ``ProposeInput.budget[r]`` valid nodes besides the root. The engine gives
+     every active row ``budget = num_nodes`` and every finished row 0. The shape rule already caps
+     active rows; a finished row's valid nodes are verified by the forward that runs for every
+     slot anyway, and emit nothing.
+  7. Every token, invalid nodes' included, is a vocabulary id in [0, vocab_size); use 0 for
+     unused nodes. Invalid nodes still go through the embedding lookup, and an id >= vocab_size
+     embeds as NaN. Attention then spreads the NaN over the row (0 * NaN), and the row stops,
+     flagged as non-finite (``generate`` raises FloatingPointError by default).
+  8. Duplicates: two valid children of one node with the same token are allowed and stay exact
+     (they see the same context, so the target samples the same token at both). They waste a
+     node, and ``Feedback.path`` then holds the lowest-index accepted node at each depth, which
+     need not be the parent of the next path node. The library's builders never duplicate.
+
+  Exactness would depend on rules 1-3, which ``sanitize`` enforces; a row that breaks rule 7
+  stops early; rules 4-6 and 8 only decide speed. The builders here (``chain``, ``plan``,
+  ``merge_chain``, ``select``, ``root_only``, ``pad``) keep rules 1-6 and 8. For rule 7,
+  ``chain`` and ``merge_chain`` use the tokens they are given.
+  """
+
   tokens: Int[Array, "R N1"]  # node tokens, node 0 = root
   depth: Int[Array, "R N1"]  # root 0
   parent: Int[Array, "R N1"]  # index of the parent node; -1 for the root
@@ -197,6 +253,35 @@ def ancestor_mask(parent: Int[Array, "R N1"], valid: Bool[Array, "R N1"],
     mask = mask | jax.nn.one_hot(cur, n1, dtype=bool)  # cur = -1 adds nothing
     cur = jnp.where(cur >= 0, jnp.take_along_axis(parent, jnp.maximum(cur, 0), axis=1), -1)
   return (mask & valid[:, None, :] & valid[:, :, None]) | eye
+
+
+
+def sanitize(tr: Tree, root: Int[Array, " R"], max_depth: int) -> Tree:
+  """The tree the engine verifies, whatever a proposer returned: rules 1-5 of ``Tree`` enforced.
+  Node 0 becomes the root (its token, depth 0, parent -1, valid); a node stays valid only if it
+  reaches the root within ``max_depth`` hops through valid nodes with in-range parents; the depth
+  of every valid node is recounted from its parents and ``mask`` rebuilt with ``ancestor_mask``.
+  A tree that keeps the rules comes back with the same valid nodes, depths and mask bits (invalid
+  nodes keep their tokens, depths and parents, and attend only themselves); one that breaks them
+  gets a slower rollout, never a different one. A few [R, N1] gathers per step."""
+  r, n1 = tr.tokens.shape
+  idx = jnp.arange(n1, dtype=jnp.int32)[None]
+  is_root = idx == 0
+  in_range = (tr.parent >= 0) & (tr.parent < n1) & (tr.parent != idx)
+  par = jnp.where(in_range, tr.parent, 0)
+  valid = jnp.where(is_root, True, tr.valid & in_range)
+  too_deep = jnp.int32(max_depth + 1)
+  d = jnp.where(is_root, 0, too_deep).astype(jnp.int32)
+  for _ in range(max_depth):  # after k rounds, nodes up to depth k have their depth
+    pd = jnp.take_along_axis(d, par, axis=1)
+    pv = jnp.take_along_axis(valid, par, axis=1)
+    d = jnp.where(is_root, 0, jnp.where(valid & pv, jnp.minimum(pd + 1, too_deep), too_deep))
+  valid = valid & (d <= max_depth)
+  parent = jnp.where(is_root, -1, tr.parent)
+  return Tree(tokens=jnp.where(is_root, root[:, None].astype(tr.tokens.dtype), tr.tokens),
+              depth=jnp.where(valid, d, tr.depth).astype(tr.depth.dtype), parent=parent,
+              mask=ancestor_mask(jnp.where(valid & ~is_root, par, -1), valid, max_depth),
+              valid=valid)
 
 
 def chain(root: Int[Array, " R"], tokens: Int[Array, "R C"], length: Int[Array, " R"], *,

@@ -294,3 +294,114 @@ def test_end_batch_safety_rules():
   np.testing.assert_allclose(np.asarray(low.safety), 0.125)  # never below the floor
   noisy = reflex.end_batch(cfg, glob, stats(0.0, sd=0.5))
   assert np.asarray(noisy.safety).tolist() == [1.0] * 3 and int(noisy.below[0]) == 0
+
+
+# ------------------------------------------------------------ stride and skipped bookkeeping
+
+EAGER = dict(min_obs=(2, 2, 2), min_severity=(0.05, 0.05, 0.05), lcb_z=-5.0, stride_rows=1.0,
+             record_capacity=64)
+
+
+def test_stride_default_and_checks():
+  assert reflex.ReflexConfig().stride == 1  # the default keeps the row-adaptive stride alone
+  for bad in (0, -2, True, 1.5):
+    with pytest.raises(ValueError, match="stride"):
+      reflex.ReflexConfig(stride=bad)
+
+
+def _always_true_branch(pred, true_fn, false_fn, *operands):
+  return true_fn(*operands)
+
+
+@pytest.mark.parametrize("case", ["idle", "busy"])
+def test_skipped_bookkeeping_is_exact(trained_model, monkeypatch, case):
+  """A step with no record to write or to mature skips that work (lax.cond); the result is what
+  the work would have given, bit for bit (checked by forcing every branch to run)."""
+  config, params, _ = trained_model
+  d = config.hidden_size
+  cfg = reflex.ReflexConfig(**{**EAGER, "stride": 3})
+  prop = reflex.ReflexProposer(cfg)
+  target = Target(config=config, params=params)
+  pp = (H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
+  r = 3
+  rows, shared = prop.init(target, pp, _rows_init(r, d))
+  rng = np.random.default_rng(4)
+  rows = rows.replace(fast=_fast(rng, r, 3, d), steps=jnp.full((r,), 0 if case == "busy" else 1))
+  pend = rows.pending
+  for k in range(3):  # pending records at positions 11 and 14 of every head
+    for t in (11, 14):
+      sl = t % cfg.slots
+      pend = pend.replace(position=pend.position.at[:, k, sl].set(t),
+                          head=pend.head.at[:, k, sl].set(jnp.asarray(rng.normal(size=(r, d)))),
+                          has_sigma=pend.has_sigma.at[:, k, sl].set(True),
+                          sigma=pend.sigma.at[:, k, sl].set(1 / np.sqrt(cfg.sketch_dim)))
+  state = (rows.replace(pending=pend), shared)
+  from specroll_jax.proposers.base import ProposeInput
+  # busy: L = 10 commits 11 (and 12); idle: L = 11 commits 12, 13 (no record there, no round)
+  l0 = 10 if case == "busy" else 11
+  inp = ProposeInput(hidden=jnp.asarray(rng.normal(size=(r, d)), jnp.float32),
+                     root=jnp.array([1, 2, 3], jnp.int32), position=jnp.full((r,), l0),
+                     history=jnp.zeros((r, 32), jnp.int32), budget=jnp.full((r,), 4),
+                     row=jnp.arange(r), sample_ids=jnp.arange(r))
+  fb = _feedback(r, 4, d, position=[l0] * r, path_len=[2] * r, tokens=np.full((r, 4), 5),
+                 keep=[[1, 1, 0, 0]] * r)
+
+  def step(st):
+    tr, st = prop.propose(target, pp, st, inp, num_nodes=4)
+    st, stats = prop.update(target, pp, st, fb.replace(tree=tr))
+    return tr, st, stats
+
+  skipped = jax.jit(step)(state)
+  monkeypatch.setattr(jax.lax, "cond", _always_true_branch)
+  forced = jax.jit(step)(state)
+  for a, b in zip(jax.tree.leaves(skipped), jax.tree.leaves(forced), strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # busy: the round writes 11, 12, 13 (heads 1..3); 11 (every head) and 12 (head 2) mature,
+  # 13 (head 3) and 14 (every head) wait. idle: nothing written, nothing due, all 6 wait
+  matured = np.asarray(skipped[2]["reflex_matured"]).tolist()
+  assert matured == ([r, 2 * r, r] if case == "busy" else [0, 0, 0])
+  waiting = (np.asarray(skipped[1][0].pending.position) >= 0).sum((0, 2)).tolist()
+  assert waiting == ([r, r, 2 * r] if case == "busy" else [2 * r] * 3)
+
+
+@pytest.fixture(scope="module")
+def stride_rollouts(trained_model, gsm8k_prompts):
+  """Vanilla and Reflex rollouts (gates opened wide) with stride 1 and 3, one compile each."""
+  from specroll_jax import rollout
+  from specroll_jax.rollout import SpecConfig
+  config, params, tok = trained_model
+  prompts = gsm8k_prompts[:4]
+  heads = H.init(jax.random.key(4), config, 3, scale=0.05)
+  sampling = SamplingConfig(temperature=1.0)
+  kw = dict(sampling=sampling, max_new_tokens=32, seed=1, eos_ids=tok.eos_ids)
+  out = {"vanilla": rollout.generate(config, params, prompts, **kw)}
+  for s in (1, 3):
+    cfg = reflex.ReflexConfig(**EAGER, stride=s)
+    out[s] = rollout.generate(config, params, prompts, **kw,
+                              spec=SpecConfig(node_budget=16, bucket_fractions=(1.0,)),
+                              proposer=reflex.ReflexProposer(cfg),
+                              proposer_params=(heads, reflex.init_global(cfg)))
+  return out
+
+
+def test_stride_keeps_vanilla_tokens(stride_rollouts):
+  ref = stride_rollouts["vanilla"]
+  for s in (1, 3):
+    out = stride_rollouts[s]
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
+    assert int(np.asarray(out.stats.spec.proposer["reflex_applied"]).sum()) > 0  # it corrected
+
+
+def test_stride_records_every_stride_th_step(stride_rollouts):
+  for s in (1, 3):
+    st = stride_rollouts[s].stats.spec.proposer
+    row_steps = int(st["reflex_row_head_steps"][0])
+    matured = int(st["reflex_matured"][0])  # head 1's record matures in the step that wrote it
+    if s == 1:  # stride_rows = 1: every row records on every step
+      assert matured == row_steps
+    else:  # a row records on its steps 0, s, 2s, ...
+      assert row_steps / s <= matured <= row_steps / s + 4
+  one, three = (stride_rollouts[s].stats.spec.proposer for s in (1, 3))
+  for key in ("reflex_matured", "reflex_updates"):
+    assert int(np.asarray(three[key]).sum()) < int(np.asarray(one[key]).sum())

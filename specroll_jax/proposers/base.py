@@ -12,8 +12,9 @@ to guess"):
 Pure functions in the optax form: ``init`` (per-row state for a batch), ``propose`` (each row's
 ``Tree`` within its node budget, and the state after proposing) and ``update`` (the step's
 ``Feedback``; returns the new state and a pytree of statistics the engine sums over all steps).
-Whatever a proposer does, the committed tokens are the target's own samples: a proposer changes
-speed, never the output.
+Whatever a proposer proposes, the committed tokens are the target's own samples: a proposer
+changes speed, never the output, as long as its trees keep the rules of ``Tree`` (the engine checks
+their shapes and dtypes at trace time, ``proposers.contract``).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class Feedback:
 
   tokens[:, j] is the target's sample at path node j, at absolute position position + 1 + j; the
   first path_len - 1 of them equal the accepted nodes' tokens, the last is the next root. ``keep``
-  marks those emitted (cut after an EOS or the length limit).
+  marks those emitted: a prefix of j < path_len, cut after an EOS, at the length limit and at
+  non-finite logits; all False for inactive rows.
   """
 
   tree: Tree  # the verified tree [R, N1]
@@ -109,11 +111,53 @@ class Feedback:
 
 @dataclasses.dataclass(frozen=True)
 class Proposer:
-  """Base class of proposers (frozen dataclass = the settings). Subclasses override the methods.
+  """Base class of proposers (frozen dataclass = the settings). Subclasses override the methods;
+  docs/custom_proposer.md has a worked example.
 
   max_depth: deepest node a tree can have (static). capacity: most nodes (root excluded) a tree can
   usefully hold; the engine never gives a row more. feedback_topm: m > 0 asks the engine for the
   target's top-m logits at the committed path positions in ``Feedback`` (never [R, N, V]).
+
+  **Positions.** The prefill samples each row's first response token (``RowsInit.first_token``)
+  from the hidden state at the last prompt token. It sits at absolute position ``prompt_length``
+  and is the first tree's root; nobody proposes it. Response token j sits at position
+  ``prompt_length + j``. At every step the root (position L) is a target sample that is emitted
+  but not yet in the KV cache, and a tree node at depth d guesses the token at position L + d.
+
+  **ProposeInput** (R = the bucket's slots, not the batch; compaction moves rows between slots, so
+  read ``row`` and never the slot index):
+
+  * ``hidden``: the target's pre-norm hidden state at L - 1, the state the root was sampled from
+    (``models.logits_from_hidden(target.config, target.params, hidden)`` gives those logits).
+  * ``root``: the root token at L; ``position``: L.
+  * ``history[r, p]``: the row's token at position p (prompt, then response) for p <= L, with
+    ``history[r, L] == root``; -1 beyond L.
+  * ``budget``: the most valid non-root nodes this row may use: ``num_nodes`` for an active row, 0
+    for a finished one (its tree is verified by the forward that runs anyway and emits nothing).
+  * ``row``: the row in the batch the engine was called with; ``sample_ids``: its response id.
+  * ``responses[b, j]``, ``response_lengths[b]``: the whole batch's responses so far, by row
+    (finished rows included), for proposers that read other rows' text.
+
+  **propose** returns each row's ``Tree`` of exactly ``num_nodes`` nodes besides the root (static;
+  the engine never calls it with 0, since an N = 0 bucket runs the plain decode step), and the
+  state after proposing. The rules a tree must satisfy are listed once, in the ``Tree``
+  docstring (``specroll_jax.tree.Tree``). Shapes and dtypes are checked at trace time. Breaking a
+  rule on values costs speed, stops the row (a token outside the vocabulary) or, for the root,
+  mask and depth rules, breaks exactness.
+
+  **Feedback** (to ``update``): ``tokens[:, j]`` is the target's sample at path node j and sits at
+  position ``position + 1 + j``. The first ``path_len - 1`` of them are the accepted nodes'
+  tokens and the last, ``tokens[:, path_len - 1]``, is the next root. ``keep[:, j]`` marks the
+  tokens actually emitted: a prefix of j < path_len, cut after an EOS, at ``max_new_tokens`` and
+  at the first non-finite logits, and all False for a row that was not active. Only kept tokens
+  enter the response and ``Feedback.history``. ``path_len`` is 0 for inactive rows.
+
+  **State.** ``init``'s per-row part (``split_state(state)[0]``) has a leading rows axis of the
+  batch's row count in every leaf; the engine compacts it with its row. ``propose`` and ``update``
+  return states with the structure, shapes and dtypes of the state they were given (the rollout
+  loop carries it), and ``update``'s statistics add onto ``init_stats()`` without changing its
+  shapes or dtypes. The engine checks all of this at trace time (``proposers.contract``) and
+  raises ValueError naming the proposer, the method and the field.
   """
 
   @property
@@ -138,7 +182,8 @@ class Proposer:
 
   def init(self, target: Target, params: PyTree, rows: RowsInit) -> PyTree:
     """State for a new batch; () when the proposer has none. By default every leaf is per row
-    ([R, ...]); see ``split_state`` for state shared across rows."""
+    ([R, ...] with R = the batch's rows, checked at trace time); see ``split_state`` for state
+    shared across rows."""
     return ()
 
   def split_state(self, state: PyTree) -> tuple[PyTree, PyTree]:
@@ -153,8 +198,9 @@ class Proposer:
 
   def propose(self, target: Target, params: PyTree, state: PyTree, inp: ProposeInput, *,
               num_nodes: int) -> tuple[Tree, PyTree]:
-    """Each row's tree of ``num_nodes`` nodes (static) with at most ``inp.budget`` valid, depth
-    <= ``max_depth``; and the per-row state after proposing."""
+    """Each row's tree of ``num_nodes`` nodes (static) besides the root, at most ``inp.budget``
+    of them valid, depth <= ``max_depth`` (every rule: ``Tree``); and the state after proposing
+    (same structure, shapes and dtypes)."""
     raise NotImplementedError
 
   def update(self, target: Target, params: PyTree, state: PyTree,

@@ -1,0 +1,453 @@
+"""Reflex's in-loop cost against one verify forward, on the tiny model and a 1.5B-shaped model.
+
+  .venv/bin/python experiments/bench_reflex_cost.py                 # tiny + Qwen2.5-1.5B shape
+  .venv/bin/python experiments/bench_reflex_cost.py --layers 4      # cut the 1.5B shape's layers
+  .venv/bin/python experiments/bench_reflex_cost.py --quick         # smoke test (seconds)
+
+For each model, at the same B rows and N tree nodes per row:
+
+(a) one verify forward: ``verify.verify`` (what ``speculative.spec_step`` runs: the target on
+    [root + N nodes] over a KV cache of --cache positions, sampling at every node and the exact
+    acceptance), once with ``topm = 0`` (what the static heads ask for) and once with the top-16
+    feedback Reflex asks for (``feedback_topm``); the difference is Reflex's share of the verify;
+(b) the proposer's per-step work, isolated: ``propose`` + ``update`` for --steps consecutive
+    steps in one jitted ``lax.scan`` (a synthetic feedback commits --accept tokens per step, so
+    the prediction ring fills and matures as in a rollout), for the static ``HeadsProposer`` (its
+    ``update`` is a no-op) and for ``ReflexProposer`` variants: gates open (every head eligible:
+    corrections, the raw-head counterfactual, maturing records), in a full bucket (the row-adaptive
+    feedback stride is 4) and in the tail (few rows left: records every step); a fresh state
+    (gates closed); corrections off (records only); and with ``ReflexConfig.stride`` > 1;
+(c) the heads' own proposal cost: the static proposer's time in (b).
+
+The static baseline is what ``adaptation.proposer`` runs for Medusa heads with Reflex and the slow
+path off (``HeadsProposer``, the same heads and tree plan); root-conditioned heads are not timed.
+
+Reflex's extra = Reflex proposer ms - static proposer ms; its share = extra / verify ms (topm 0).
+The 1.5B shape (hidden 1536, 28 layers, 12 / 2 heads, intermediate 8960, vocab 151936, tied
+embeddings; --dtype, f32 by default) has random weights; its layers share one random layer's
+arrays (same FLOPs and bytes per layer, 1/28 of the memory). With --layers L < 28 the verify is
+also timed at 2 layers and extrapolated linearly to 28 (per-layer slope reported). The proposer's
+work does not depend on the layer count (it reads only the embedding and final norm). Compile is
+excluded (one warm-up call each); then --repeats rounds call every case of a model once in turn
+(a machine shared with other jobs slows all alike); medians over the rounds (minimums in the
+JSON). Writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import sys
+import time
+import zlib
+from pathlib import Path
+
+import _common
+import numpy as np
+
+QWEN_1P5B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+                 num_heads=12, num_kv_heads=2, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                 tie_word_embeddings=True, qkv_bias=True, max_position_embeddings=32768)
+MODELS = ("tiny", "qwen1.5b")
+TOPMS = (0, 16)  # the static heads' verify; with Reflex's top-16 feedback
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+def tiny_model():
+  """(name, config, params, heads) of the embedded default model and its shipped heads."""
+  from specroll_jax import pipeline
+  config, params, tok, path = pipeline.load_model(None, progress=False)
+  heads = pipeline.default_heads(config, params, tok, path, progress=False)
+  return f"tiny (d={config.hidden_size}, V={config.vocab_size}, {config.num_layers} layers)", \
+      config, params, heads
+
+
+def qwen_shaped(layers: int, dtype: str, seed: int = 0):
+  """(config, params) of a random-weight Qwen2.5-1.5B-shaped decoder with ``layers`` layers; the
+  params are unstacked (a tuple of per-layer dicts) and every layer holds the same arrays (one
+  random layer: the FLOPs and bytes per layer of distinct ones, 1/28 of the memory)."""
+  import jax
+  import jax.numpy as jnp
+
+  from specroll_jax import models
+  config = models.ModelConfig(**{**QWEN_1P5B, "num_layers": layers}, dtype=dtype)
+  one = config.replace(num_layers=1)
+  shapes = jax.eval_shape(lambda k: models.init_params(k, one), jax.random.key(0))
+  key = jax.random.key(seed)
+
+  def fill(path, s):
+    name = jax.tree_util.keystr(path)
+    k = jax.random.fold_in(key, zlib.crc32(name.encode()))
+    if name.endswith("['scale']"):
+      return jnp.ones(s.shape, s.dtype)
+    if name.endswith("['bias']"):
+      return jnp.zeros(s.shape, s.dtype)
+    return (0.02 * jax.random.normal(k, s.shape, jnp.float32)).astype(s.dtype)
+
+  p = jax.tree_util.tree_map_with_path(fill, {k: v for k, v in shapes.items() if k != "embed"})
+  # the embedding (tied: also the unembedding): a random block of V/8 rows tiled 8 times, each
+  # row scaled by its own factor so no two logits tie (a full V x D draw takes seconds on CPU)
+  v, d = config.vocab_size, config.hidden_size
+  block = 0.02 * jax.random.normal(jax.random.fold_in(key, 1), (-(-v // 8), d), jnp.float32)
+  row_scale = 1.0 + 0.25 * jnp.arange(v, dtype=jnp.float32) / v
+  p["embed"] = {"embedding": (jnp.tile(block, (8, 1))[:v] * row_scale[:, None]).astype(
+      config.jnp_dtype)}
+  layer = jax.tree.map(lambda a: a[0], p["layers"])  # [1, ...] -> [...]
+  params = {**{k: v for k, v in p.items() if k != "layers"}, "layers": (layer,) * layers}
+  return config, params
+
+
+# ----------------------------------------------------------------------------------- timing
+
+
+def round_robin(cases: list[tuple], repeats: int) -> list[dict]:
+  """Time ``cases`` [(fn, args), ...]: one warm-up call each (compile), then ``repeats`` rounds
+  that call every case once in turn, so a machine shared with other jobs slows all cases alike.
+  Per case: median and min seconds over the rounds, and the warm-up's extra (compile) seconds."""
+  import jax
+  first = []
+  for fn, args in cases:
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    first.append(time.perf_counter() - t0)
+  times = [[] for _ in cases]
+  for _ in range(repeats):
+    for i, (fn, args) in enumerate(cases):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      times[i].append(time.perf_counter() - t0)
+  return [{"s": float(np.median(t)), "min_s": float(np.min(t)),
+           "compile_s": f - float(np.median(t))} for t, f in zip(times, first, strict=True)]
+
+
+def _inputs(config, rows: int, seed: int):
+  import jax
+  import jax.numpy as jnp
+  k1, k2 = jax.random.split(jax.random.key(seed))
+  hidden = jax.random.normal(k1, (rows, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
+  root = jax.random.randint(k2, (rows,), 0, config.vocab_size, jnp.int32)
+  return hidden, root
+
+
+def verify_cases(config, params, heads, *, rows: int, nodes: int, cache: int, num_heads: int,
+                 seed: int, topms=TOPMS) -> list[tuple]:
+  """(fn, args) of one verify forward at each top-m (a static heads tree over a cache of
+  ``cache`` positions, nearly full)."""
+  import jax
+  import jax.numpy as jnp
+
+  from specroll_jax import verify
+  from specroll_jax.kernels import Kernels
+  from specroll_jax.models import decoder as dec
+  from specroll_jax.proposers import HeadsProposer
+  from specroll_jax.proposers.base import ProposeInput, Target
+  from specroll_jax.sampling import SamplingConfig
+  sampling = SamplingConfig(temperature=1.0)
+  kernels = Kernels.resolve("auto")
+  params = dec.unstack_layers(params)
+  target = Target(config=config, params=params, sampling=sampling)
+  hidden, root = _inputs(config, rows, seed)
+  prop = HeadsProposer(num_heads=num_heads)
+  budget = jnp.full((rows,), nodes, jnp.int32)
+  pos = jnp.full((rows,), cache - num_heads - 2, jnp.int32)
+  tr, _ = jax.jit(lambda p, hd, h, r: prop.propose(target.replace(params=p), hd, (), ProposeInput(
+      hidden=h, root=r, position=pos, history=jnp.zeros((rows, 1), jnp.int32), budget=budget,
+      row=jnp.arange(rows), sample_ids=jnp.arange(rows)), num_nodes=nodes))(
+          params, heads, hidden, root)
+  kv = dec.init_cache(config, rows, cache)
+  kv = kv.replace(lengths=pos)
+  sids = jnp.arange(rows, dtype=jnp.int32)
+  return [(jax.jit(lambda p, t, c, s, m=m: verify.verify(
+      config, p, t, c, jnp.uint32(seed), s, sampling, max_depth=num_heads, kernels=kernels,
+      topm=m)), (params, tr, kv, sids)) for m in topms]
+
+
+def _proposer_run(proposer, config, sampling, *, rows: int, nodes: int, accept: int, steps: int):
+  """A jitted function running ``steps`` consecutive propose + update steps in a ``lax.scan``
+  with a synthetic feedback that commits ``accept`` tokens per step (``tokens[j]`` the depth-1
+  candidate shifted by j; the target's top-16 around it). Inputs change every step (the anchor
+  rolls, the root is the last tree's first candidate), so no work is hoisted out of the loop.
+  The target's parameters are an argument (as in the engine), never a compiled-in constant."""
+  import jax
+  import jax.numpy as jnp
+
+  from specroll_jax.proposers.base import Feedback, ProposeInput, Target
+  v = config.vocab_size
+  d1 = proposer.max_depth + 1
+  topm = max(proposer.feedback_topm, 1)
+  rid = jnp.arange(rows, dtype=jnp.int32)
+  j = jnp.arange(d1, dtype=jnp.int32)[None]
+  budget = jnp.full((rows,), nodes, jnp.int32)
+
+  def run(tparams, pparams, state, hidden, root, pos):
+    target = Target(config=config, params=tparams, sampling=sampling)
+
+    def body(carry, _):
+      state, hidden, root, pos, acc = carry
+      inp = ProposeInput(hidden=hidden, root=root, position=pos,
+                         history=jnp.zeros((rows, 1), jnp.int32), budget=budget, row=rid,
+                         sample_ids=rid)
+      tr, state = proposer.propose(target, pparams, state, inp, num_nodes=nodes)
+      first = tr.tokens[:, min(1, tr.tokens.shape[1] - 1)]
+      tokens = (first[:, None] + j) % v
+      path_hidden = jnp.stack([jnp.roll(hidden, i + 1, axis=-1) for i in range(d1)], axis=1)
+      ids = (tokens[..., None] + jnp.arange(topm, dtype=jnp.int32)) % v
+      fb = Feedback(
+          tree=tr, target_tokens=tr.tokens, accepted=tr.valid, path=jnp.broadcast_to(j, (rows, d1)),
+          path_len=jnp.full((rows,), accept, jnp.int32), tokens=tokens,
+          keep=jnp.broadcast_to(j < accept, (rows, d1)), position=pos, hidden=hidden,
+          path_hidden=path_hidden, active=jnp.ones((rows,), bool), done=jnp.zeros((rows,), bool),
+          row=rid, sample_ids=rid, topm_ids=ids,
+          topm_logprobs=jnp.broadcast_to(-1.0 - jnp.arange(topm, dtype=jnp.float32), ids.shape),
+          lse=jnp.zeros((rows, d1), jnp.float32), history=jnp.zeros((rows, 1), jnp.int32))
+      state, stats = proposer.update(target, pparams, state, fb)
+      acc = acc + tr.tokens.sum() + sum(jnp.sum(x).astype(jnp.int32) for x in
+                                        jax.tree.leaves(stats))
+      return (state, path_hidden[:, accept - 1], tokens[:, accept - 1], pos + accept, acc), None
+
+    (state, *rest), _ = jax.lax.scan(body, (state, hidden, root, pos, jnp.int32(0)), None,
+                                     length=steps)
+    return state, rest[-1]
+
+  return jax.jit(run)
+
+
+def open_gates(state, seed: int):
+  """A Reflex state whose every (row, head) is eligible to correct (past the observation, severity
+  and size thresholds with a positive LCB)."""
+  import jax
+  import jax.numpy as jnp
+
+  from specroll_jax import reflex
+  rows, shared = state
+  f = rows.fast
+  n, k, d = f.m.shape
+  full = lambda x: jnp.full((n, k), x, jnp.float32)
+  fast = reflex.FastState(m=0.05 * jax.random.normal(jax.random.key(seed), (n, k, d)),
+                          count=full(200.0), mean=full(0.3), m2=full(2.0), severity=full(50.0))
+  return rows.replace(fast=fast), shared
+
+
+def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, accept: int,
+                   steps: int, seed: int, strides: tuple[int, ...],
+                   quick: bool = False) -> tuple[list[tuple], list[tuple]]:
+  """(variants [(name, config, bucket, gates open)], cases [(fn, args)]): ``steps`` steps of
+  propose + update for the static heads and the Reflex variants."""
+  import jax.numpy as jnp
+
+  from specroll_jax import reflex
+  from specroll_jax.models import decoder as dec
+  from specroll_jax.proposers import HeadsProposer
+  from specroll_jax.proposers.base import RowsInit, Target
+  from specroll_jax.sampling import SamplingConfig
+  k = heads.num_heads
+  params = dec.unstack_layers(params)
+  target = Target(config=config, params=params, sampling=SamplingConfig(temperature=1.0))
+  hidden, root = _inputs(config, rows, seed)
+  pos = jnp.full((rows,), cache - 4 * steps, jnp.int32)
+  init = RowsInit(prompt_tokens=jnp.zeros((rows, 4), jnp.int32),
+                  prompt_lengths=jnp.full((rows,), 4, jnp.int32),
+                  sample_ids=jnp.arange(rows, dtype=jnp.int32),
+                  row=jnp.arange(rows, dtype=jnp.int32), first_token=root, hidden=hidden)
+  base = reflex.ReflexConfig(num_heads=k)
+  variants = [("static heads", None, "full", False)]
+  if not quick:
+    variants.append(("reflex, gates open", base, "full", True))
+  variants.append(("reflex, gates open", base, "tail", True))
+  if not quick:
+    variants += [("reflex, fresh state", base, "full", False),
+                 ("reflex, corrections off", dataclasses.replace(base, apply_corrections=False),
+                  "full", False)]
+  for s in strides:
+    if s > 1:
+      cfg = dataclasses.replace(base, stride=s)
+      variants += [(f"reflex stride {s}, gates open", cfg, "tail", True)]
+      if not quick:
+        variants.append((f"reflex stride {s}, gates open", cfg, "full", True))
+  cases = []
+  for _, cfg, regime, opened in variants:
+    if cfg is None:
+      prop, pparams, state = HeadsProposer(num_heads=k), heads, ()
+    else:
+      prop = reflex.ReflexProposer(cfg)
+      pparams = (heads, reflex.init_global(cfg))
+      state = prop.init(target, pparams, init)
+      if opened:
+        state = open_gates(state, seed)
+      if regime == "tail":  # a quarter of the batch left: the row-adaptive stride is 1
+        state = (state[0], state[1].replace(batch_rows=jnp.int32(4 * rows)))
+    fn = _proposer_run(prop, config, target.sampling, rows=rows, nodes=nodes, accept=accept,
+                       steps=steps)
+    cases.append((fn, (params, pparams, state, hidden, root, pos)))
+  return variants, cases
+
+
+# --------------------------------------------------------------------------------------- main
+
+
+def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
+  """Every row of the table for one model: the verify forwards and the proposer variants timed in
+  one round robin. ``full_layers`` > the model's layers (the cut 1.5B shape): the verify is also
+  timed at fewer layers and extrapolated linearly to ``full_layers``."""
+  kw = dict(rows=a.rows, nodes=a.nodes, cache=a.cache, seed=a.seed)
+  cases = verify_cases(config, params, heads, num_heads=heads.num_heads, **kw)
+  layers = config.num_layers
+  lo = None
+  if full_layers is not None and layers < full_layers and not a.quick:
+    lo = 1 if layers <= 2 else 2
+    cases += verify_cases(config.replace(num_layers=lo), {**params, "layers": params["layers"][
+        :lo]}, heads, num_heads=heads.num_heads, **kw)
+  variants, pcases = proposer_cases(config, params, heads, accept=a.accept, steps=a.steps,
+                                    strides=tuple(a.strides), quick=a.quick, **kw)
+  print(f"{label}: {len(cases)} verify and {len(pcases)} proposer cases, {a.repeats} rounds",
+        flush=True)
+  times = round_robin(cases + pcases, a.repeats)
+  vt, pt = times[:len(cases)], times[len(cases):]
+  ms = lambda t: 1e3 * t["s"]
+  details = {f"{layers} layers, top-{m}": {"ms": ms(t), "min_ms": 1e3 * t["min_s"],
+                                          "compile_s": t["compile_s"]}
+             for m, t in zip(TOPMS, vt[:2], strict=True)}
+  v0, v16 = ms(vt[0]), ms(vt[1])
+  note = None
+  if full_layers is not None and a.quick:
+    note = f"--quick: verify of the {layers}-layer cut-down as measured (not extrapolated)"
+  elif full_layers is not None and lo is None:
+    note = f"verify timed with all {layers} layers"
+  elif lo is not None:  # the layers linearly; the top-16 feedback's extra is layer-free
+    lo0 = ms(vt[2])
+    details.update({f"{lo} layers, top-{m}": {"ms": ms(t), "compile_s": t["compile_s"]}
+                    for m, t in zip(TOPMS, vt[2:], strict=True)})
+    slope = (v0 - lo0) / (layers - lo)
+    outside = v0 - layers * slope
+    grow = slope * (full_layers - layers)
+    v0, v16 = v0 + grow, v16 + grow
+    details.update(per_layer_ms=slope, outside_layers_ms=outside, extrapolated_to=full_layers)
+    note = (f"verify timed at {lo} and {layers} layers ({lo0:.1f} and {ms(vt[0]):.1f} ms), "
+            f"extrapolated linearly to {full_layers}: {slope:.2f} ms per layer + {outside:.1f} ms "
+            "outside the layers (embedding, unembedding, sampling, accept)")
+  print(f"  verify {v0:.2f} ms (with the top-16 feedback {v16:.2f} ms)", flush=True)
+  static = ms(pt[0]) / a.steps
+  rows = []
+  for (name, _, regime, _), t in zip(variants, pt, strict=True):
+    p_ms = ms(t) / a.steps
+    extra = p_ms - static
+    reflex = name != "static heads"
+    topm_extra = (v16 - v0) if reflex else 0.0
+    print(f"  {name} ({regime}): {p_ms:.2f} ms/step", flush=True)
+    rows.append({"model": label, "rows": a.rows, "nodes": a.nodes, "variant": name,
+                 "regime": regime, "verify_ms": v0, "verify_top16_ms": v16,
+                 "static_ms": static, "proposer_ms": p_ms,
+                 "proposer_min_ms": 1e3 * t["min_s"] / a.steps, "extra_ms": extra,
+                 "share": extra / v0, "verify_top16_extra_ms": topm_extra,
+                 "share_with_top16": (extra + topm_extra) / v0, "heads_share": static / v0,
+                 "compile_s": t["compile_s"]})
+  return {"label": label, "config": dataclasses.asdict(config), "verify": details,
+          "verify_ms": v0, "verify_top16_ms": v16, "layers_note": note, "rows": rows}
+
+
+def main(argv=None):
+  from specroll_jax import cli
+  ap = cli.ArgumentParser(description=__doc__)
+  ap.add_argument("--models", nargs="+", default=list(MODELS), help=f"any of {MODELS}")
+  ap.add_argument("--rows", type=int, default=16, help="rows B")
+  ap.add_argument("--nodes", type=int, default=4, help="tree nodes N per row (root excluded)")
+  ap.add_argument("--cache", type=int, default=256, help="KV cache positions")
+  ap.add_argument("--accept", type=int, default=2,
+                  help="tokens the synthetic feedback commits per step (1 .. heads + 1)")
+  ap.add_argument("--steps", type=int, default=8, help="proposer steps per timed call")
+  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument("--layers", type=int, default=28, help="layers of the 1.5B shape (<= 28)")
+  ap.add_argument("--dtype", default="float32", help="1.5B shape: float32 or bfloat16")
+  ap.add_argument("--strides", type=int, nargs="+", default=[4],
+                  help="ReflexConfig.stride values > 1 to measure")
+  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--out", default="runs/bench_reflex_cost.json")
+  ap.add_argument("--quick", action="store_true",
+                  help="B=2, 1 repeat, 2 steps, fewer variants, the 1.5B shape cut to 2 layers")
+  a = ap.parse_args(argv)
+  cli.require(a, rows=1, nodes=1, cache=8, accept=1, steps=1, repeats=1, layers=1, strides=1)
+  if a.quick:
+    a.rows, a.repeats, a.steps, a.layers = 2, 1, 2, 2
+  bad = [m for m in a.models if m not in MODELS]
+  if bad:
+    cli.fail("--models", a.models, f"unknown {bad}; choose from {MODELS}")
+  if a.layers > QWEN_1P5B["num_layers"]:
+    cli.fail("--layers", a.layers, f"the 1.5B shape has {QWEN_1P5B['num_layers']} layers")
+  if a.dtype not in ("float32", "bfloat16"):
+    cli.fail("--dtype", a.dtype, "must be float32 or bfloat16")
+  if a.accept > 4:  # 3 heads: at most 4 tokens per step
+    cli.fail("--accept", a.accept, "must be <= heads + 1 = 4")
+  if a.cache < 4 * a.steps + 8:
+    cli.fail("--cache", a.cache, f"must be >= 4 * steps + 8 = {4 * a.steps + 8}")
+  out_path = Path(a.out)
+  out_path.parent.mkdir(parents=True, exist_ok=True)
+  results = []
+  t_start = time.perf_counter()
+  if "tiny" in a.models:
+    label, config, params, heads = tiny_model()
+    results.append(bench_model(label, config, params, heads, a))
+  if "qwen1.5b" in a.models:
+    results.append(bench_qwen(a))
+  meta = {"command": "experiments/bench_reflex_cost.py " + " ".join(
+      sys.argv[1:] if argv is None else argv), "cpu": _common.cpu_model(),
+      "machine": platform.machine(), "rows": a.rows, "nodes": a.nodes, "cache": a.cache,
+      "accept": a.accept, "steps": a.steps, "repeats": a.repeats, "layers": a.layers,
+      "dtype": a.dtype, "quick": a.quick, "seconds": time.perf_counter() - t_start}
+  import jax
+  meta["jax"] = jax.__version__
+  meta["device"] = str(jax.devices()[0])
+  out_path.write_text(json.dumps({"meta": meta, "models": results}, indent=2))
+  _report(results, meta)
+  print(f"wrote {out_path}")
+  return {"meta": meta, "models": results}
+
+
+def bench_qwen(a) -> dict:
+  import jax
+
+  from specroll_jax import heads as H
+  full = QWEN_1P5B["num_layers"]
+  t0 = time.perf_counter()
+  config, params = qwen_shaped(a.layers, a.dtype, a.seed)
+  heads = H.init(jax.random.key(a.seed + 1), config, 3, scale=0.02)
+  print(f"built the 1.5B shape ({a.layers} layers) in {time.perf_counter() - t0:.1f} s",
+        flush=True)
+  short = {"float32": "f32", "bfloat16": "bf16"}[a.dtype]
+  label = f"Qwen2.5-1.5B shape ({short}, {a.layers}/{full} layers)"
+  return bench_model(label, config, params, heads, a, full_layers=full)
+
+
+def _report(results: list[dict], meta: dict) -> None:
+  from rich.console import Console
+  from rich.table import Table
+  con = Console(width=200)
+  t = Table(title=f"Reflex's in-loop work vs one verify forward (B={meta['rows']}, "
+                  f"N={meta['nodes']}, cache {meta['cache']}, {meta['accept']} tokens/step; "
+                  f"{meta['cpu']}; compile excluded, medians of {meta['repeats']})")
+  for c in ("model", "B", "N", "variant", "bucket", "verify ms", "static heads ms",
+            "proposer ms", "Reflex extra ms", "extra % verify", "+top-16 in verify ms",
+            "total % verify"):
+    t.add_column(c, justify="left" if c in ("model", "variant", "bucket") else "right")
+  for res in results:
+    for r in res["rows"]:
+      static = r["variant"] == "static heads"
+      t.add_row(r["model"], str(r["rows"]), str(r["nodes"]), r["variant"],
+                r["regime"] if not static else "-", f"{r['verify_ms']:.2f}",
+                f"{r['static_ms']:.2f}", f"{r['proposer_ms']:.2f}",
+                "-" if static else f"{r['extra_ms']:+.2f}",
+                f"{100 * r['heads_share']:.1f}% (heads)" if static
+                else f"{100 * r['share']:+.1f}%",
+                "-" if static else f"{r['verify_top16_extra_ms']:+.2f}",
+                "-" if static else f"{100 * r['share_with_top16']:+.1f}%")
+    t.add_section()
+  con.print(t)
+  for res in results:
+    if res.get("layers_note"):
+      con.print(f"{res['label']}: {res['layers_note']}")
+
+
+if __name__ == "__main__":
+  main()
