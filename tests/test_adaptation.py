@@ -26,9 +26,10 @@ def _config(sampling, mode="every_batch"):
   return A.AdaptationConfig(reflex=EAGER, slow=slow).for_sampling(sampling)
 
 
-@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.0),
-                                      SamplingConfig(temperature=0.7, top_p=0.9),
-                                      SamplingConfig(temperature=1.0)], ids=str)
+@pytest.mark.parametrize("sampling", [
+    pytest.param(SamplingConfig(temperature=0.0), marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), marks=pytest.mark.slow),
+    SamplingConfig(temperature=1.0)], ids=str)
 def test_reflex_and_slow_path_never_change_tokens(trained_model, gsm8k_prompts, sampling):
   config, params, tok = trained_model
   prompts = gsm8k_prompts[:8]

@@ -25,6 +25,7 @@ def bench():
   return mod
 
 
+@pytest.mark.slow  # the quick benchmark: 20-35 s cold
 def test_quick_run_writes_consistent_rows(bench, tmp_path):
   out = tmp_path / "cost.json"
   bench.main(["--quick", "--out", str(out)])

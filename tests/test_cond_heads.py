@@ -97,7 +97,8 @@ def test_cond_heads_validation(trained_model):
     RankedHeads(beams=(2, 2, 2))
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.0), SAMPLING], ids=str)
+@pytest.mark.parametrize("cfg", [
+    pytest.param(SamplingConfig(temperature=0.0), marks=pytest.mark.slow), SAMPLING], ids=str)
 def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cfg):
   config, params, tok = trained_model
   ch, _ = fitted
@@ -126,6 +127,7 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
     assert e[0] == 0 and (np.diff(e) >= -1e-6).all()  # more nodes: more expected acceptance
 
 
+@pytest.mark.slow  # about 20 s
 def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_prompts, fitted):
   from specroll_jax import adaptation
   from specroll_jax.slow_path import SlowPathConfig

@@ -80,7 +80,8 @@ def batch(trained_model, gsm8k_prompts):
 
 
 @pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.0),
-                                 SamplingConfig(temperature=0.7, top_k=40, top_p=0.9),
+                                 pytest.param(SamplingConfig(temperature=0.7, top_k=40,
+                                                             top_p=0.9), marks=pytest.mark.slow),
                                  SamplingConfig(temperature=1.0)], ids=str)
 def test_group_lookup_equals_vanilla(trained_model, batch, cfg):
   config, params, tok = trained_model

@@ -48,6 +48,7 @@ def setup():
   return params, accuracy, train
 
 
+@pytest.mark.slow  # ten GRPO steps twice: about 35 s
 def test_grpo_raises_the_reward_and_the_negated_reward_lowers_it(setup):
   params, accuracy, train = setup
   before = accuracy(params)

@@ -61,8 +61,9 @@ def heads(trained_model):
   return H.init(jax.random.key(5), trained_model[0], 3, scale=0.05)
 
 
-CASES = [(SamplingConfig(temperature=0.0), "lookup"), (SamplingConfig(temperature=0.0), "merged"),
-         (SamplingConfig(temperature=0.7, top_p=0.9), "merged"),
+CASES = [pytest.param(SamplingConfig(temperature=0.0), "lookup", marks=pytest.mark.slow),
+         (SamplingConfig(temperature=0.0), "merged"),
+         pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), "merged", marks=pytest.mark.slow),
          (SamplingConfig(temperature=1.0), "lookup")]
 
 

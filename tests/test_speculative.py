@@ -56,10 +56,12 @@ def random_heads(trained_model):
 
 CASES = [  # (sampling, spec, which heads)
     (SamplingConfig(temperature=0.0), SpecConfig(node_budget=64), "fitted"),
-    (SamplingConfig(temperature=0.7, top_p=0.95), SpecConfig(node_budget=32), "fitted"),
+    pytest.param(SamplingConfig(temperature=0.7, top_p=0.95), SpecConfig(node_budget=32),
+                 "fitted", marks=pytest.mark.slow),
     (SamplingConfig(temperature=1.0), SpecConfig(node_budget=64, max_nodes=40), "random"),
     (SamplingConfig(temperature=1.0), SpecConfig(node_budget=0), "fitted"),
-    (SamplingConfig(temperature=0.7), SpecConfig(node_budget=16, topk=(2, 2, 2)), "random"),
+    pytest.param(SamplingConfig(temperature=0.7), SpecConfig(node_budget=16, topk=(2, 2, 2)),
+                 "random", marks=pytest.mark.slow),
 ]
 
 
@@ -81,6 +83,7 @@ def test_speculative_equals_vanilla(trained_model, gsm8k_prompts, fitted_heads, 
     assert int(st.nodes_verified) == 0
 
 
+@pytest.mark.slow  # about 25 s
 def test_eos_inside_tree_and_length_limit_mid_path(trained_model, gsm8k_prompts, fitted_heads):
   """Greedy rollouts with fitted heads accept long paths; EOS ids and a length limit that fall
   inside accepted paths must cut exactly where vanilla stops."""
@@ -99,6 +102,7 @@ def test_eos_inside_tree_and_length_limit_mid_path(trained_model, gsm8k_prompts,
     assert got.stats.tokens_per_forward > 1.3  # paths were long enough to cross the cut points
 
 
+@pytest.mark.slow  # about 20 s
 def test_compaction_over_buckets(trained_model, gsm8k_prompts, random_heads):
   """Rows finishing at very different times move through several (rows, N) buckets."""
   config, params, tok = trained_model
