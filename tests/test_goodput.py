@@ -60,6 +60,7 @@ def test_spec_config_nodes_per_bucket():
   assert s.bucket_shapes(2, capacity=4) == [(2, 0), (1, 2)]  # repeated row counts dropped
 
 
+@pytest.mark.slow  # a cost-model measurement: about 20 s
 def test_zero_nodes_verify_nothing_and_measured_cost_is_cached(trained_model, gsm8k_prompts,
                                                                 tmp_path):
   config, params, tok = trained_model

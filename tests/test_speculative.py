@@ -141,6 +141,7 @@ def test_tau_with_fitted_heads(trained_model, gsm8k_prompts, fitted_heads):
   assert acc[0] > 0.5 and (np.diff(acc) <= 1e-9).all()  # deeper heads accept no more often
 
 
+@pytest.mark.slow  # about 15 s
 def test_verify_logits_match_path_forward(trained_model, gsm8k_prompts, random_heads):
   """The verify forward's target sample at every node == a full forward over prompt + path."""
   config, params, _ = trained_model
