@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.counter_hash import (
@@ -39,7 +40,6 @@ __all__ = ["SamplingConfig", "allowed_logits", "first_argmax", "group_sample_ids
 
 MASKED_LOGIT = -1e30  # a masked logit: large negative finite value (stays NaN-free in kernels);
 #   the library's one masking constant (pallas_kernels imports nothing from us: it keeps its own)
-_NEG = MASKED_LOGIT
 
 
 def gumbel_noise(seed, sample_id, position, vocab_size: int) -> Float[Array, "*R V"]:
@@ -56,7 +56,6 @@ def group_sample_ids(prompt_indices, group_size: int):
   indices' dtype."""
   if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
     raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
-  import numpy as np
   xp = jnp if isinstance(prompt_indices, jax.Array) else np
   idx = xp.asarray(prompt_indices)
   return (idx[:, None] * group_size + xp.arange(group_size, dtype=idx.dtype)[None]).reshape(-1)
@@ -109,14 +108,14 @@ def allowed_logits(logits: Float[Array, "*R V"], cfg: SamplingConfig) -> Float[A
   vocab = x.shape[-1]
   if cfg.top_k and cfg.top_k < vocab:
     kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
-    x = jnp.where(x >= kth, x, _NEG)
+    x = jnp.where(x >= kth, x, MASKED_LOGIT)
   if cfg.top_p < 1.0:
     srt = -jnp.sort(-x, axis=-1)  # descending
     p = jax.nn.softmax(srt, axis=-1)
     before = jnp.cumsum(p, axis=-1) - p  # mass strictly above each sorted entry
     keep = before < jnp.float32(cfg.top_p)  # smallest prefix with mass >= top_p (first always kept)
     thresh = jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1, keepdims=True)
-    x = jnp.where(x >= thresh, x, _NEG)
+    x = jnp.where(x >= thresh, x, MASKED_LOGIT)
   return x
 
 
