@@ -88,9 +88,10 @@ from specroll_jax.data.tasks import Task
 from specroll_jax.grpo import logprobs as _logprobs
 from specroll_jax.models import decoder as _dec
 from specroll_jax.progress import progress_range
+from specroll_jax.proposers import ReflexProposer
 from specroll_jax.proposers.group_lookup import GroupLookup
 from specroll_jax.proposers.merged import Merged
-from specroll_jax.reflex import ReflexConfig, ReflexProposer
+from specroll_jax.reflex import ReflexConfig
 from specroll_jax.sampling import allowed_logits
 
 ARMS = ("static", "reflex", "slow", "both", "every_batch", "ceiling", "lookup", "merged")

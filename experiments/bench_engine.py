@@ -114,8 +114,10 @@ def worker(job: dict) -> dict:
            "token_hash": int(np.asarray(out.tokens, np.int64).sum() * 7919
                              + np.asarray(out.lengths, np.int64).sum())}
     spec_stats = getattr(st, "spec", None)
-    if spec_stats is not None and spec_stats.proposer:
-      res["proposer"] = {k: int(v) for k, v in spec_stats.proposer.items()}
+    if spec_stats is not None and jax.tree.leaves(spec_stats.proposer):
+      from specroll_jax.proposers.base import stats_dict
+      res["proposer"] = {k: np.asarray(v).tolist() for k, v in
+                         stats_dict(spec_stats.proposer).items()}
     results[case["name"]] = res
   return results
 

@@ -240,7 +240,7 @@ def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, 
 
   from specroll_jax import reflex
   from specroll_jax.models import decoder as dec
-  from specroll_jax.proposers import HeadsProposer
+  from specroll_jax.proposers import HeadsProposer, ReflexProposer
   from specroll_jax.proposers.base import RowsInit, Target
   from specroll_jax.sampling import SamplingConfig
   k = heads.num_heads
@@ -272,7 +272,7 @@ def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, 
     if cfg is None:
       prop, pparams, state = HeadsProposer(num_heads=k), heads, ()
     else:
-      prop = reflex.ReflexProposer(cfg)
+      prop = ReflexProposer(cfg)
       pparams = (heads, reflex.init_global(cfg))
       state = prop.init(target, pparams, init)
       if opened:

@@ -27,6 +27,10 @@ passed explicitly. f32 operands use full-precision dots (Triton would otherwise 
 paths temper by the same precomputed f32 factor ``counter_hash.inverse_temperature(T)``, so the
 kernel and the reference pick the same tokens. Non-finite logits make the row's logprob non-finite
 (check ``jnp.isfinite(logprobs)``).
+
+Files: this module (contract, reference, block sizes, validation), ``fused_sampler_triton`` and
+``fused_sampler_tpu`` (the kernels, as ``tree_attention_triton`` / ``_tpu``), ``_sampler_math``
+(the tile math both share) and ``_backend`` (the backend rule every kernel uses).
 """
 
 from __future__ import annotations
@@ -39,25 +43,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import tpu as pltpu
-from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels._flash import dot_precision as _dot_precision
-from pallas_kernels._shapes import cdiv as _cdiv
+from pallas_kernels._backend import BACKENDS, resolve_backend
+from pallas_kernels._sampler_math import contract
 from pallas_kernels._shapes import is_pow2 as _is_pow2
 from pallas_kernels._shapes import next_pow2 as _next_pow2
 from pallas_kernels._shapes import round_up as _round_up
 from pallas_kernels.counter_hash import gumbel_from_bits, inverse_temperature, row_key, token_bits
-from pallas_kernels.tree_attention import BACKENDS, resolve_backend
+from pallas_kernels.fused_sampler_tpu import TPU_LANES as _TPU_LANES
+from pallas_kernels.fused_sampler_tpu import _fused_sample_tpu
+from pallas_kernels.fused_sampler_triton import _fused_sample_triton
 
-_NEG = -1e30
-_BIG_ID = 2**31 - 1
-_TPU_LANES = 128
 _TPU_VMEM_BUDGET = 12 << 20  # double-buffered blocks; under the 16 MiB default scoped VMEM of v5e
-_TPU_VMEM_CAP = 48 << 20  # below the 64 MiB physical VMEM of a v7x TensorCore
 LAYOUTS = ("dv", "vd")
-_GPU_TARGET_PROGRAMS = 264  # ~2 waves of an H100/H200 (132 SMs)
 
 __all__ = ["BACKENDS", "LAYOUTS", "BlockSizes", "fused_sample", "fused_sample_reference"]
 
@@ -98,10 +96,6 @@ class BlockSizes:
                        f"{self.num_stages!r}")
 
 
-def _contract(layout: str):
-  """dot_general dimension numbers of hidden [R, D] with the unembed in ``layout``."""
-  return (((1,), (0,) if layout == "dv" else (1,)), ((), ()))
-
 
 def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temperature: float,
                            unembed_layout: str = "dv"):
@@ -113,7 +107,7 @@ def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temp
     raise ValueError(f"fused_sample_reference: unembed_layout must be one of {LAYOUTS}, got "
                      f"{unembed_layout!r}")
   logits = lax.dot_general(hidden.astype(jnp.float32), unembed.astype(jnp.float32),
-                           _contract(unembed_layout), precision=lax.Precision.HIGHEST)
+                           contract(unembed_layout), precision=lax.Precision.HIGHEST)
   x = logits * inverse_temperature(temperature) if temperature > 0 else logits
   z = x
   if temperature > 0:
@@ -126,216 +120,6 @@ def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temp
   lse = jax.nn.logsumexp(x, axis=-1)
   logprobs = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - lse
   return tokens, logprobs
-
-
-# ------------------------------------------ kernel math -------------------------------------------
-
-def _tile_update(logits, ids, ok, key, carry, temperature):
-  """Fold one [r, v] tile of f32 logits into the per-row running state.
-
-  ids int32 [1, v] token ids; ok bool [1, v] real, not-yet-seen ids; key uint32 [r, 1] row keys.
-  carry = (best_z, best_id, best_x, m, den), each [r, 1]: the best perturbed value x + g so far, its
-  token id and its x, and the running max / sum of exp for logsumexp(x).
-  """
-  best_z, best_id, best_x, m, den = carry
-  x = logits * inverse_temperature(temperature) if temperature > 0 else logits
-  if temperature > 0:
-    z = x + gumbel_from_bits(token_bits(key, ids))
-  else:
-    z = x
-  z = jnp.where(ok, z, _NEG)
-  xm = jnp.where(ok, x, _NEG)
-  tile_z = jnp.max(z, axis=1, keepdims=True)
-  tile_id = jnp.min(jnp.where(z == tile_z, ids, _BIG_ID), axis=1, keepdims=True)  # lowest id wins
-  tile_x = jnp.max(jnp.where(ids == tile_id, xm, _NEG), axis=1, keepdims=True)
-  better = tile_z > best_z  # strict: tiles arrive in increasing id order, so earlier ids keep ties
-  best_z = jnp.where(better, tile_z, best_z)
-  best_id = jnp.where(better, tile_id, best_id)
-  best_x = jnp.where(better, tile_x, best_x)
-  m_new = jnp.maximum(m, jnp.max(xm, axis=1, keepdims=True))
-  p = jnp.where(ok, jnp.exp(xm - m_new), 0.0)
-  den = den * jnp.exp(m - m_new) + jnp.sum(p, axis=1, keepdims=True)
-  return best_z, best_id, best_x, m_new, den
-
-
-def _init_carry(rows):
-  neg = jnp.full((rows, 1), _NEG, jnp.float32)
-  return neg, jnp.zeros((rows, 1), jnp.int32), neg, neg, jnp.zeros((rows, 1), jnp.float32)
-
-
-def _combine(best_z, best_id, best_x, m, den):
-  """Combine per-split partials [S, R, 1] -> (tokens [R] int32, logprobs [R] f32)."""
-  z = jnp.max(best_z, axis=0, keepdims=True)
-  tok = jnp.min(jnp.where(best_z == z, best_id, _BIG_ID), axis=0, keepdims=True)
-  x_tok = jnp.max(jnp.where((best_id == tok) & (best_z == z), best_x, _NEG), axis=0)
-  m_max = lax.optimization_barrier(jnp.max(m, axis=0, keepdims=True))  # as in _flash.combine
-  lse = m_max[0] + jnp.log(jnp.sum(den * jnp.exp(m - m_max), axis=0))
-  return tok[0, :, 0], (x_tok - lse)[:, 0]
-
-
-# --------------------------------------------- Triton ---------------------------------------------
-
-def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperature, vocab,
-                   v_read, block_v, block_d, tiles_per_split, n_tiles, layout, precision):
-  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, Vp] or [Vp, D] (whole);
-  # out_refs 5 x [r, 1]
-  s_id = pl.program_id(1)
-  rows, d_model = h_ref.shape
-  key = row_key(seed_ref[...], sid_ref[...], pos_ref[...])  # uint32 [r, 1]
-  t_lo = s_id * tiles_per_split
-  n_local = jnp.minimum(tiles_per_split, n_tiles - t_lo)
-  iota = lax.broadcasted_iota(jnp.int32, (1, block_v), 1)
-
-  def vocab_tile(j, carry):
-    start = (t_lo + j) * block_v
-    ld = jnp.minimum(start, v_read - block_v)  # last tile shifted back to end inside the array
-    ids = ld + iota
-    ok = (ids >= start) & (ids < vocab)  # not seen in the previous tile, not padding
-
-    def d_chunk(c, acc):
-      d0 = pl.multiple_of(c * block_d, block_d)
-      h = h_ref[:, pl.ds(d0, block_d)]
-      if layout == "dv":
-        w = w_ref[pl.ds(d0, block_d), pl.ds(ld, block_v)]
-      else:
-        w = w_ref[pl.ds(ld, block_v), pl.ds(d0, block_d)]
-      return acc + lax.dot_general(h, w, _contract(layout), preferred_element_type=jnp.float32,
-                                   precision=precision)
-
-    logits = lax.fori_loop(0, d_model // block_d, d_chunk,
-                           jnp.zeros((rows, block_v), jnp.float32))
-    return _tile_update(logits, ids, ok, key, carry, temperature)
-
-  carry = lax.fori_loop(0, n_local, vocab_tile, _init_carry(rows))
-  for ref, val in zip(out_refs, carry, strict=True):
-    ref[...] = val
-
-
-def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret, layout):
-  rp, d_model = hidden.shape
-  vocab = unembed.shape[1 if layout == "dv" else 0]
-  block_r, block_v = bs.block_r, bs.block_v
-  block_d = bs.block_d
-  if block_d is None:
-    widest = 64 if unembed.dtype == jnp.float32 else 128
-    block_d = next((c for c in (128, 64, 32, 16) if c <= widest and d_model % c == 0), d_model)
-  if vocab < block_v:  # tiny vocab: pad the (small) unembed; padded ids are masked via `vocab`
-    pad_v = (0, block_v - vocab)
-    unembed = jnp.pad(unembed, ((0, 0), pad_v) if layout == "dv" else (pad_v, (0, 0)))
-  v_read = max(vocab, block_v)
-  n_tiles = _cdiv(vocab, block_v)
-  row_tiles = rp // block_r
-  splits = bs.num_splits
-  if splits is None:
-    splits = max(1, _GPU_TARGET_PROGRAMS // row_tiles)
-  splits = max(1, min(splits, n_tiles))
-  tps = _cdiv(n_tiles, splits)
-  splits = _cdiv(n_tiles, tps)
-  num_warps = bs.num_warps if bs.num_warps is not None else (4 if block_r <= 32 else 8)
-  kernel = functools.partial(_triton_kernel, temperature=temperature, vocab=vocab,
-                             v_read=v_read, block_v=block_v, block_d=block_d, tiles_per_split=tps,
-                             n_tiles=n_tiles, layout=layout,
-                             precision=_dot_precision(unembed.dtype))
-  row_spec = pl.BlockSpec((block_r, 1), lambda i, s: (i, 0))
-  out_spec = pl.BlockSpec((None, block_r, 1), lambda i, s: (s, i, 0))
-  f32, i32 = jnp.float32, jnp.int32
-  out_shape = [jax.ShapeDtypeStruct((splits, rp, 1), dt) for dt in (f32, i32, f32, f32, f32)]
-  outs = pl.pallas_call(
-      kernel,
-      grid=(row_tiles, splits),
-      in_specs=[row_spec, row_spec, row_spec,
-                pl.BlockSpec((block_r, d_model), lambda i, s: (i, 0)),
-                pl.BlockSpec(unembed.shape, lambda i, s: (0, 0))],
-      out_specs=[out_spec] * 5,
-      out_shape=out_shape,
-      compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=bs.num_stages),
-      interpret=interpret,
-      name="fused_sample_triton",
-  )(seeds, sids, pos, hidden, unembed)
-  return _combine(*outs)
-
-
-# --------------------------------------------- Mosaic ---------------------------------------------
-
-def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vocab, block_v,
-                tiles_per_split, n_tiles, layout, precision):
-  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, block_v] ("dv") or [block_v, D]
-  # ("vd"); 5 outputs [r, 128] then
-  # 5 scratch [r, 128] (state broadcast over lanes). Grid (row tiles, S, tiles per split).
-  outs, scratch = refs[:5], refs[5:]
-  s_id, j = pl.program_id(1), pl.program_id(2)
-  tile = s_id * tiles_per_split + j
-
-  @pl.when(j == 0)
-  def _init():
-    for ref, val in zip(scratch, _init_carry(h_ref.shape[0]), strict=True):
-      ref[...] = jnp.broadcast_to(val, ref.shape)
-
-  @pl.when(tile < n_tiles)
-  def _step():
-    key = row_key(seed_ref[...], sid_ref[...], pos_ref[...])
-    logits = lax.dot_general(h_ref[...], w_ref[...], _contract(layout),
-                             preferred_element_type=jnp.float32, precision=precision)
-    ids = tile * block_v + lax.broadcasted_iota(jnp.int32, logits.shape, 1)  # full 2-D iota
-    ok = ids < vocab  # the partial last block's padding holds garbage: masked by select
-    carry = tuple(ref[...][:, :1] for ref in scratch)
-    new = _tile_update(logits, ids, ok, key, carry, temperature)
-    for ref, val in zip(scratch, new, strict=True):
-      ref[...] = jnp.broadcast_to(val, ref.shape)
-
-  @pl.when(j == tiles_per_split - 1)
-  def _finish():
-    for o, sc in zip(outs, scratch, strict=True):
-      o[...] = sc[...]
-
-
-def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret, layout):
-  rp, d_model = hidden.shape
-  vocab = unembed.shape[1 if layout == "dv" else 0]
-  block_r = bs.block_r
-  if vocab < _TPU_LANES:  # tiny vocab: pad the (small) unembed to one lane-dense tile
-    pad_v = (0, _TPU_LANES - vocab)
-    unembed = jnp.pad(unembed, ((0, 0), pad_v) if layout == "dv" else (pad_v, (0, 0)))
-  v_arr = unembed.shape[1 if layout == "dv" else 0]
-  block_v = min(bs.block_v, v_arr // _TPU_LANES * _TPU_LANES)  # multiple of 128, within V
-  n_tiles = _cdiv(vocab, block_v)
-  row_tiles = rp // block_r
-  splits = bs.num_splits if bs.num_splits is not None else (2 if row_tiles == 1 else 1)
-  splits = max(1, min(splits, n_tiles))
-  tps = _cdiv(n_tiles, splits)
-  splits = _cdiv(n_tiles, tps)
-  kernel = functools.partial(_tpu_kernel, temperature=temperature, vocab=vocab, block_v=block_v,
-                             tiles_per_split=tps, n_tiles=n_tiles, layout=layout,
-                             precision=_dot_precision(unembed.dtype))
-  w_tile = lambda i, s, j: jnp.minimum(s * tps + j, n_tiles - 1)
-  if layout == "dv":
-    w_spec = pl.BlockSpec((d_model, block_v), lambda i, s, j: (0, w_tile(i, s, j)))
-  else:
-    w_spec = pl.BlockSpec((block_v, d_model), lambda i, s, j: (w_tile(i, s, j), 0))
-  itemsize = unembed.dtype.itemsize
-  need = (2 * (block_r * d_model + block_v * d_model) * itemsize  # double-buffered inputs
-          + 2 * 2 * 5 * block_r * _TPU_LANES * 4  # outputs and scratch
-          + 8 * block_r * block_v * 4)  # f32 temporaries: logits, x, z, noise, masks
-  row_spec = pl.BlockSpec((block_r, 1), lambda i, s, j: (i, 0))
-  out_spec = pl.BlockSpec((None, block_r, _TPU_LANES), lambda i, s, j: (s, i, 0))
-  f32, i32 = jnp.float32, jnp.int32
-  dts = (f32, i32, f32, f32, f32)
-  outs = pl.pallas_call(
-      kernel,
-      grid=(row_tiles, splits, tps),
-      in_specs=[row_spec, row_spec, row_spec,
-                pl.BlockSpec((block_r, d_model), lambda i, s, j: (i, 0)),
-                w_spec],
-      out_specs=[out_spec] * 5,
-      out_shape=[jax.ShapeDtypeStruct((splits, rp, _TPU_LANES), dt) for dt in dts],
-      scratch_shapes=[pltpu.VMEM((block_r, _TPU_LANES), dt) for dt in dts],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "arbitrary"),
-          vmem_limit_bytes=int(min(max(need * 3 // 2, 16 << 20), _TPU_VMEM_CAP))),
-      interpret=interpret,
-      name="fused_sample_tpu",
-  )(seeds, sids, pos, hidden, unembed)
-  return _combine(*(o[..., :1] for o in outs))
 
 
 # -------------------------------------------- wrapper ---------------------------------------------
@@ -403,7 +187,7 @@ def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: f
   passed as is: D is contracted on both sides, nothing is transposed or copied).
 
   temperature: static; 0 means greedy (logprob under softmax(logits)). backend: "triton", "tpu" or
-  "auto" (see ``tree_attention.resolve_backend``); ``interpret=True`` runs the body in the Pallas
+  "auto" (see ``_backend.resolve_backend``); ``interpret=True`` runs the body in the Pallas
   interpreter (CPU tests). Raises ValueError before tracing on bad shapes, dtypes, temperature or
   block sizes that break the backend's tiling rule.
   """

@@ -32,12 +32,12 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._backend import resolve_backend
 from pallas_kernels._flash import NEG as _NEG
 from pallas_kernels._shapes import is_pow2 as _is_pow2
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
 from pallas_kernels.tree_attention_triton import tree_attention_triton
 
-BACKENDS = ("auto", "triton", "tpu")
 # Head widths the compiled backends support (power-of-two tiles for Triton; lane-dense for Mosaic).
 SUPPORTED_HEAD_DIMS = (64, 128)
 # interpret=True also accepts any multiple of 16 up to 256 (the kernel body has no tile rule there).
@@ -134,16 +134,6 @@ class BlockSizes:
   def for_backend(cls, backend: str, dtype=jnp.bfloat16, t: int = 1) -> BlockSizes:
     """Production defaults for ``backend``, ``dtype`` and T, resolved."""
     return cls().resolve(resolve_backend(backend, False), dtype, t)
-
-
-def resolve_backend(backend: str, interpret: bool) -> str:
-  """"auto" -> "tpu" on a TPU default backend, else "triton" (the body interpret=True runs)."""
-  del interpret  # the choice does not depend on it; kept for callers
-  if backend not in BACKENDS:
-    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-  if backend == "auto":
-    backend = "tpu" if jax.default_backend() == "tpu" else "triton"
-  return backend
 
 
 def _check_head_dim(dh: int, backend: str, interpret: bool, what: str = "Dh"):

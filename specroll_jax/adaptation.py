@@ -10,9 +10,10 @@ reservoir and optimiser state, and a batch counter. It is a pytree of arrays (it
       out = rollout.generate(config, params, prompts, ..., adaptation=state)
       state = out.adaptation            # out.adaptation_report: what happened, in plain numbers
 
-Inside the rollout Reflex corrects the heads per row (``reflex.py``); after it, ``after_rollout``
-updates the global safety from the batch's counterfactual gain and hands the matured records and
-per-depth acceptance to the slow path, which may refresh the heads (``slow_path.py``).
+Inside the rollout Reflex corrects the heads per row (``proposers.ReflexProposer``, math in
+``reflex/``); after it, ``after_rollout`` updates the global safety from the batch's
+counterfactual gain and hands the matured records and per-depth acceptance to the slow path,
+which may refresh the heads (``slow_path/``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from specroll_jax import head_kinds
 from specroll_jax import reflex as _reflex
 from specroll_jax import slow_path as _slow
 from specroll_jax.proposers import HeadsProposer, Proposer
-from specroll_jax.reflex import ReflexConfig, ReflexGlobal, ReflexProposer
+from specroll_jax.proposers.reflex import ReflexProposer
+from specroll_jax.reflex import ReflexConfig, ReflexGlobal
 from specroll_jax.sampling import SamplingConfig
 from specroll_jax.slow_path import SlowPathConfig, SlowPathState
 
@@ -129,9 +131,9 @@ def after_rollout(state: AdaptationState, model_config, params, rollout,
   if not cfg.static_heads:
     report["reflex"] = _reflex.summarize(stats)
     glob = _reflex.end_batch(cfg.reflex, glob, stats)
-    n = int(stats.get("reflex_expected_n", 0))
+    n = int(stats.expected_n) if stats.expected_n is not None else 0
     if n > 0:  # a running mean over batches (equal weights: the estimates are calibrated)
-      e = np.asarray(stats["reflex_expected"], np.float64) / n
+      e = np.asarray(stats.expected, np.float64) / n
       b = int(state.batches)
       expected = jnp.asarray((np.asarray(expected) * b + e) / (b + 1), jnp.float32)
       report["expected_by_nodes"] = e.tolist()

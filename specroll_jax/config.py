@@ -9,6 +9,7 @@ import dataclasses
 import numpy as np
 
 from specroll_jax import buckets as _buckets
+from specroll_jax._fields import check_int
 from specroll_jax.kernels import Kernels
 from specroll_jax.sampling import SamplingConfig
 
@@ -44,10 +45,7 @@ class DecodeSettings:
       raise ValueError(
           f"DecodeSettings.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
     for name in ("max_new_tokens", "cache_length"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"DecodeSettings.{name} must be an int >= 1, got {v!r}")
-      object.__setattr__(self, name, int(v))
+      check_int(self, name, 1)
     if not isinstance(self.kernels, Kernels):
       raise ValueError(f"DecodeSettings.kernels must be a Kernels (see Kernels.resolve), got "
                        f"{self.kernels!r}")
@@ -154,7 +152,4 @@ class SpecConfig:
 
 
 def _int_at_least(obj, name: str, lo: int) -> None:
-  v = getattr(obj, name)
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-    raise ValueError(f"SpecConfig.{name} must be an int >= {lo}, got {v!r}")
-  object.__setattr__(obj, name, int(v))
+  check_int(obj, name, lo)

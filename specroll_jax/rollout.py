@@ -7,8 +7,11 @@ proposer (``proposer=`` and ``proposer_params=``, or the shorthand ``spec=SpecCo
 tokens: both sample position t of response ``sample_id`` with the counter-based noise
 u(seed, sample_id, t, v) (``sampling.py``), so the speculative rollout is the target's own sample.
 
-Inside your own ``jax.jit`` / ``jax.shard_map`` call the traceable entries ``vanilla_rollout`` and
-``speculative_rollout`` on device arrays (``prepare_batch`` pads and checks host inputs once).
+Inside your own ``jax.jit`` / ``jax.shard_map`` call an engine object (``VanillaEngine`` /
+``SpecEngine`` from ``engines``: static settings in a frozen object, traced parameters and one
+``PromptBatch``), or the traceable functions ``vanilla_rollout`` and ``speculative_rollout``;
+``prepare_batch`` pads and checks host inputs once and ``PreparedBatch.device(seed)`` gives the
+engines' ``PromptBatch``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import numpy as np
 
 from specroll_jax import speculative as _spec
 from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine
 from specroll_jax.kernels import Kernels
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import HeadsProposer, Proposer
@@ -32,9 +36,9 @@ from specroll_jax.sampling import SamplingConfig
 from specroll_jax.speculative import speculative_rollout
 from specroll_jax.vanilla import vanilla_rollout
 
-__all__ = ["DecodeSettings", "Kernels", "PreparedBatch", "Rollout", "RolloutStats",
-           "SamplingConfig", "SpecConfig", "SpecStats", "generate", "pad_prompts", "prepare_batch",
-           "speculative_rollout", "vanilla_rollout"]
+__all__ = ["DecodeSettings", "Kernels", "PreparedBatch", "PromptBatch", "Rollout", "RolloutStats",
+           "SamplingConfig", "SpecConfig", "SpecEngine", "SpecStats", "VanillaEngine", "generate",
+           "pad_prompts", "prepare_batch", "speculative_rollout", "vanilla_rollout"]
 
 PROMPT_BUCKET = 16  # prompt widths are padded up to a multiple of this (fewer recompiles)
 
@@ -66,6 +70,10 @@ class PreparedBatch:
   sample_ids: np.ndarray  # [B] int32
   eos_ids: np.ndarray  # [E] int32 (padded with -1)
   cache_length: int
+
+  def device(self, seed: int) -> PromptBatch:
+    """The batch on device with ``seed``: what ``engines.VanillaEngine`` / ``SpecEngine`` take."""
+    return PromptBatch.from_prepared(self, seed)
 
 
 def _is_int(x) -> bool:
@@ -179,9 +187,6 @@ def _check_seed(seed):
 # ---------------------------------------------------------------------------------------------
 # Jitted entries (compiled once per static settings)
 
-_vanilla_jit = jax.jit(vanilla_rollout, static_argnames=("config", "settings"))
-_spec_jit = jax.jit(speculative_rollout,
-                    static_argnames=("config", "proposer", "settings", "spec"))
 _init_jit = jax.jit(_spec.init_state, static_argnames=("config", "proposer", "settings", "spec"))
 _bucket_jit = jax.jit(_spec.run_bucket,
                       static_argnames=("config", "proposer", "settings", "spec", "bucket"))
@@ -310,15 +315,15 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   settings = DecodeSettings(sampling=sampling, max_new_tokens=int(max_new_tokens),
                             cache_length=batch.cache_length, kernels=kern,
                             return_hidden=bool(return_hidden), pad_id=pad_id, **extra)
-  args = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(batch.sample_ids),
-          jnp.asarray(batch.eos_ids), jnp.uint32(seed))
+  dev = batch.device(seed)
   t0 = time.perf_counter()
   if proposer is None:
-    out = _vanilla_jit(config, params, *args, settings=settings)
+    out = VanillaEngine(config, settings).jit(params, dev)
   elif profile:
+    args = (dev.tokens, dev.lengths, dev.sample_ids, dev.eos_ids, dev.seed)
     out = _profiled(config, params, proposer, proposer_params, args, settings, spec)
   else:
-    out = _spec_jit(config, params, proposer, proposer_params, *args, settings=settings, spec=spec)
+    out = SpecEngine(config, settings, proposer, spec).jit(params, proposer_params, dev)
   nf = np.asarray(out.stats.nonfinite)
   if nf.any():
     msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"

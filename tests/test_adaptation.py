@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from specroll_jax import adaptation as A
+from specroll_jax import engines, reflex, rollout
 from specroll_jax import heads as H
-from specroll_jax import reflex, rollout
 from specroll_jax import slow_path as SP
 from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.rollout import SamplingConfig, SpecConfig
@@ -73,7 +73,7 @@ def test_adaptive_rollouts_compile_once_and_checkpoint(trained_model, gsm8k_prom
     out = rollout.generate(config, params, prompts, sampling=sampling, max_new_tokens=24,
                            seed=batch, eos_ids=tok.eos_ids, spec=SPEC, adaptation=state)
     state = out.adaptation
-    sizes.append(rollout._spec_jit._cache_size())
+    sizes.append(engines._spec_call._cache_size())
   assert sizes[1] == sizes[0] and sizes[2] == sizes[0]  # new heads / safety: no recompile
   assert out.adaptation_report["slow"]["heads"]  # the heads did change between batches
   with Checkpointer(tmp_path / "ckpt", async_save=False) as ck:

@@ -84,10 +84,11 @@ def test_lookup_proposers_equal_vanilla(trained_model, gsm8k_prompts, heads, cfg
   np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
   np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
   ps = jax.tree.map(int, got.stats.spec.proposer)
-  assert 0 <= ps["lookup_matched"] <= ps["lookup_tokens"]
-  assert ps["lookup_rows"] <= int(np.asarray(got.stats.spec.active_trace).sum())
+  ps = ps if which == "lookup" else ps.lookup  # HeadsAndLookup: PairStats(heads, lookup)
+  assert 0 <= ps.matched <= ps.tokens
+  assert ps.rows <= int(np.asarray(got.stats.spec.active_trace).sum())
   if cfg.greedy:  # the tiny model repeats itself greedily: copies pay
-    assert ps["lookup_matched"] > 0 and got.stats.tokens_per_forward > 1.05
+    assert ps.matched > 0 and got.stats.tokens_per_forward > 1.05
 
 
 @dataclasses.dataclass(frozen=True)

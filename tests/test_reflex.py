@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specroll_jax import heads as H
-from specroll_jax import models, reflex
+from specroll_jax import models, proposers, reflex
 from specroll_jax import tree as T
 from specroll_jax.proposers.base import Feedback, Target
 from specroll_jax.sampling import SamplingConfig
@@ -177,7 +177,7 @@ def test_delayed_maturity_and_dropped_rows(trained_model):
   config, params, _ = trained_model
   d = config.hidden_size
   cfg = reflex.ReflexConfig(record_capacity=16)
-  prop = reflex.ReflexProposer(cfg)
+  prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
   heads = H.init(jax.random.key(3), config, 3, scale=0.05)
   pp = (heads, reflex.init_global(cfg))
@@ -198,20 +198,20 @@ def test_delayed_maturity_and_dropped_rows(trained_model):
   assert sorted(t for t in left[0] if t >= 0) == [13]  # 11, 12 matured; 13 waits
   assert sorted(t for t in left[1] if t >= 0) == [12, 13]
   assert (left[2] == -1).all()  # matured 11, dropped 12 and 13 (row done)
-  assert int(stats["reflex_matured"][0]) == 2 + 1 + 1
+  assert int(stats.matured[0]) == 2 + 1 + 1
   assert int(shared2.records.count[0]) == 4
   written = np.asarray(shared2.records.position)[0]
   assert sorted(written[np.asarray(shared2.records.valid)[0]].tolist()) == [11, 11, 11, 12]
   # the same feedback again matures nothing more: never twice
   (_, shared3), stats3 = prop.update(target, pp, (rows2, shared2), fb)
-  assert int(stats3["reflex_matured"][0]) == 0 and int(shared3.records.count[0]) == 4
+  assert int(stats3.matured[0]) == 0 and int(shared3.records.count[0]) == 4
 
 
 def test_nonfinite_feedback_resets_only_that_row_head(trained_model):
   config, params, _ = trained_model
   d = config.hidden_size
   cfg = reflex.ReflexConfig(record_capacity=0)
-  prop = reflex.ReflexProposer(cfg)
+  prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
   pp = (H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
   rows, shared = prop.init(target, pp, _rows_init(2, d))
@@ -230,7 +230,7 @@ def test_nonfinite_feedback_resets_only_that_row_head(trained_model):
   (rows2, _), stats = prop.update(target, pp, (rows, shared), fb)
   f0, f1 = rows.fast, rows2.fast
   assert float(f1.count[1, 2]) == 0 and float(jnp.abs(f1.m[1, 2]).sum()) == 0
-  assert np.asarray(stats["reflex_resets"]).tolist() == [0, 0, 1]
+  assert np.asarray(stats.resets).tolist() == [0, 0, 1]
   for r, k in [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]:
     assert float(f1.count[r, k]) >= float(f0.count[r, k])  # kept, and updated normally
     assert np.isfinite(np.asarray(f1.m[r, k])).all() and float(jnp.abs(f1.m[r, k]).sum()) > 0
@@ -240,7 +240,7 @@ def test_group_sharing(trained_model):
   config, params, _ = trained_model
   d = config.hidden_size
   cfg = reflex.ReflexConfig(share_group=2, record_capacity=0)
-  prop = reflex.ReflexProposer(cfg)
+  prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
   pp = (H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
   rows, shared = prop.init(target, pp, _rows_init(4, d))
@@ -261,7 +261,7 @@ def test_group_sharing(trained_model):
                  keep=[[1, 0, 0, 0], [1, 0, 0, 0], [0] * 4, [0] * 4],
                  active=[True, True, False, False])
   (_, shared2), stats = prop.update(target, pp, (rows, shared), fb)
-  assert int(stats["reflex_matured"][0]) == 2
+  assert int(stats.matured[0]) == 2
   g0, g1 = shared.group, shared2.group
   assert float(g1.count[0, 0]) == float(g0.count[0, 0]) + 2  # both rows' observations
   for leaf0, leaf1 in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
@@ -275,8 +275,9 @@ def test_end_batch_safety_rules():
 
   def stats(mean, n=50, sd=0.01):
     g = np.random.default_rng(0).normal(mean, sd, size=n)
-    return {"reflex_gain_sum": jnp.full((3,), g.sum()),
-            "reflex_gain_sq": jnp.full((3,), (g * g).sum()), "reflex_gain_n": jnp.full((3,), n)}
+    return reflex.ReflexStats.zeros(3).replace(
+        gain_sum=jnp.full((3,), g.sum()), gain_sq=jnp.full((3,), (g * g).sum()),
+        gain_n=jnp.full((3,), n))
 
   g1 = reflex.end_batch(cfg, glob, stats(-0.05))
   assert np.asarray(g1.safety).tolist() == [1.0] * 3  # one bad batch: not yet
@@ -320,7 +321,7 @@ def test_skipped_bookkeeping_is_exact(trained_model, monkeypatch, case):
   config, params, _ = trained_model
   d = config.hidden_size
   cfg = reflex.ReflexConfig(**{**EAGER, "stride": 3})
-  prop = reflex.ReflexProposer(cfg)
+  prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
   pp = (H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
   r = 3
@@ -358,7 +359,7 @@ def test_skipped_bookkeeping_is_exact(trained_model, monkeypatch, case):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # busy: the round writes 11, 12, 13 (heads 1..3); 11 (every head) and 12 (head 2) mature,
   # 13 (head 3) and 14 (every head) wait. idle: nothing written, nothing due, all 6 wait
-  matured = np.asarray(skipped[2]["reflex_matured"]).tolist()
+  matured = np.asarray(skipped[2].matured).tolist()
   assert matured == ([r, 2 * r, r] if case == "busy" else [0, 0, 0])
   waiting = (np.asarray(skipped[1][0].pending.position) >= 0).sum((0, 2)).tolist()
   assert waiting == ([r, r, 2 * r] if case == "busy" else [2 * r] * 3)
@@ -379,7 +380,7 @@ def stride_rollouts(trained_model, gsm8k_prompts):
     cfg = reflex.ReflexConfig(**EAGER, stride=s)
     out[s] = rollout.generate(config, params, prompts, **kw,
                               spec=SpecConfig(node_budget=16, bucket_fractions=(1.0,)),
-                              proposer=reflex.ReflexProposer(cfg),
+                              proposer=proposers.ReflexProposer(cfg),
                               proposer_params=(heads, reflex.init_global(cfg)))
   return out
 
@@ -390,18 +391,18 @@ def test_stride_keeps_vanilla_tokens(stride_rollouts):
     out = stride_rollouts[s]
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
-    assert int(np.asarray(out.stats.spec.proposer["reflex_applied"]).sum()) > 0  # it corrected
+    assert int(np.asarray(out.stats.spec.proposer.applied).sum()) > 0  # it corrected
 
 
 def test_stride_records_every_stride_th_step(stride_rollouts):
   for s in (1, 3):
     st = stride_rollouts[s].stats.spec.proposer
-    row_steps = int(st["reflex_row_head_steps"][0])
-    matured = int(st["reflex_matured"][0])  # head 1's record matures in the step that wrote it
+    row_steps = int(st.row_head_steps[0])
+    matured = int(st.matured[0])  # head 1's record matures in the step that wrote it
     if s == 1:  # stride_rows = 1: every row records on every step
       assert matured == row_steps
     else:  # a row records on its steps 0, s, 2s, ...
       assert row_steps / s <= matured <= row_steps / s + 4
   one, three = (stride_rollouts[s].stats.spec.proposer for s in (1, 3))
-  for key in ("reflex_matured", "reflex_updates"):
-    assert int(np.asarray(three[key]).sum()) < int(np.asarray(one[key]).sum())
+  for key in ("matured", "updates"):
+    assert int(np.asarray(getattr(three, key)).sum()) < int(np.asarray(getattr(one, key)).sum())

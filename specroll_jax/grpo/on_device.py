@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Bool, Float, Int
 
+from specroll_jax import engines
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.grpo import loss as _loss
 from specroll_jax.grpo import step as _step
@@ -36,8 +37,6 @@ from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer
 from specroll_jax.sampling import group_sample_ids
-from specroll_jax.speculative import speculative_rollout
-from specroll_jax.vanilla import vanilla_rollout
 
 
 @flax.struct.dataclass
@@ -83,11 +82,13 @@ def rollout_train_step(state: TrainState, prompts: PromptBatch, seed, proposer_p
     def fn(params_v, pr: PromptBatch):
       ptok, plen = rep(pr.tokens), rep(pr.lengths)
       sids = group_sample_ids(pr.indices.astype(jnp.int32), g)
+      batch = engines.PromptBatch(tokens=ptok, lengths=plen, sample_ids=sids, eos_ids=eos,
+                                  seed=seed)
       if proposer is None:
-        out = vanilla_rollout(config, state.params, ptok, plen, sids, eos, seed, settings=settings)
+        out = engines.VanillaEngine(config, settings)(state.params, batch)
       else:
-        out = speculative_rollout(config, state.params, proposer, proposer_params, ptok, plen,
-                                  sids, eos, seed, settings=settings, spec=spec)
+        out = engines.SpecEngine(config, settings, proposer, spec)(state.params, proposer_params,
+                                                                   batch)
       data = jax.tree.map(rep, pr.reward_data)
       rewards = jnp.asarray(reward_fn(ptok, plen, out.tokens, out.lengths, data), jnp.float32)
       adv = _loss.group_advantages(rewards, g, cfg.adv_eps)

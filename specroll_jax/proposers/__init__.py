@@ -6,7 +6,8 @@ from the row's own prompt + response) and ``HeadsAndLookup`` (both merged into o
 proposers (``RankedProposer``: every candidate scored by its calibrated acceptance, the best kept
 within the row's budget): ``RankedHeads`` (Medusa or root-conditioned heads, expanded depth by
 depth), ``GroupLookup`` (the row's own text, its GRPO siblings' and earlier responses to the same
-prompt) and ``Merged`` (both in one tree).
+prompt) and ``Merged`` (both in one tree). ``ReflexProposer``: heads with Reflex corrections
+(the math in ``specroll_jax.reflex``).
 """
 
 from specroll_jax.proposers.base import Feedback, ProposeInput, Proposer, RowsInit, Target
@@ -16,8 +17,10 @@ from specroll_jax.proposers.lookup import HeadsAndLookup, LookupState, PromptLoo
 from specroll_jax.proposers.merged import Merged
 from specroll_jax.proposers.ranked import RankedProposer, TreeStats
 from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
+from specroll_jax.proposers.reflex import ReflexProposer
 from specroll_jax.tree import Tree
 
 __all__ = ["Feedback", "GroupLookup", "HeadsAndLookup", "HeadsParams", "HeadsProposer",
            "LookupContext", "LookupState", "Merged", "PromptLookup", "ProposeInput", "Proposer",
-           "RankedHeads", "RankedProposer", "RowsInit", "Target", "Tree", "TreeStats"]
+           "RankedHeads", "RankedProposer", "ReflexProposer", "RowsInit", "Target", "Tree",
+           "TreeStats"]

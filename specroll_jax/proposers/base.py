@@ -23,6 +23,7 @@ import dataclasses
 from typing import Any
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
@@ -219,8 +220,17 @@ class Proposer:
     return None
 
   def init_stats(self) -> PyTree:
-    """Zeros of the statistics pytree ``update`` returns ({} when there are none)."""
+    """Zeros of the statistics ``update`` returns ({} when there are none): a struct of arrays
+    without a rows axis (``ReflexStats``, ``TreeStats``, ``LookupStats``) that adds up leaf by
+    leaf."""
     return {}
+
+
+def stats_dict(stats: PyTree) -> dict:
+  """A proposer's statistics as {field path: numpy array} for reports and logs."""
+  import numpy as np
+  return {jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(v)
+          for path, v in jax.tree_util.tree_flatten_with_path(stats)[0]}
 
 
 def empty_rows_state(r: int) -> PyTree:

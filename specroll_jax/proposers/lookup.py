@@ -17,12 +17,36 @@ from __future__ import annotations
 import dataclasses
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from specroll_jax import tree as _tree
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.heads import HeadsProposer
+
+
+@flax.struct.dataclass
+class LookupStats:
+  """Prompt lookup's statistics of a rollout (summed over steps: ``combine``)."""
+
+  rows: Int[Array, ""]  # row-steps that proposed a chain
+  tokens: Int[Array, ""]  # chain tokens proposed
+  matched: Int[Array, ""]  # chain tokens the target committed
+
+  def combine(self, other: LookupStats) -> LookupStats:
+    return jax.tree.map(jnp.add, self, other)
+
+
+@flax.struct.dataclass
+class PairStats:
+  """The statistics of two proposers merged into one tree (``HeadsAndLookup``)."""
+
+  heads: object
+  lookup: LookupStats
+
+  def combine(self, other: PairStats) -> PairStats:
+    return jax.tree.map(jnp.add, self, other)
 
 
 @flax.struct.dataclass
@@ -127,14 +151,14 @@ class PromptLookup(Proposer):
     matched = jnp.cumprod(hit, axis=1).sum(1).astype(jnp.int32)
     proposed = fb.active & (state.chain_len > 0)
     want = jnp.where(proposed, jnp.clip(matched + 1, self.min_chain, self.max_chain), state.want)
-    stats = {"lookup_rows": proposed.sum().astype(jnp.int32),
-             "lookup_tokens": jnp.where(proposed, state.chain_len, 0).sum().astype(jnp.int32),
-             "lookup_matched": jnp.where(proposed, matched, 0).sum().astype(jnp.int32)}
+    stats = LookupStats(rows=proposed.sum().astype(jnp.int32),
+                        tokens=jnp.where(proposed, state.chain_len, 0).sum().astype(jnp.int32),
+                        matched=jnp.where(proposed, matched, 0).sum().astype(jnp.int32))
     return state.replace(want=want, chain_len=jnp.zeros_like(state.chain_len)), stats
 
-  def init_stats(self):
+  def init_stats(self) -> LookupStats:
     z = jnp.int32(0)
-    return {"lookup_rows": z, "lookup_tokens": z, "lookup_matched": z}
+    return LookupStats(rows=z, tokens=z, matched=z)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +205,7 @@ class HeadsAndLookup(Proposer):
   def update(self, target, params, state, fb):
     sh, st_h = self.heads.update(target, params[0], state[0], fb)
     sl, st_l = self.lookup.update(target, params[1], state[1], fb)
-    return (sh, sl), {**st_h, **st_l}
+    return (sh, sl), PairStats(heads=st_h, lookup=st_l)
 
-  def init_stats(self):
-    return {**self.heads.init_stats(), **self.lookup.init_stats()}
+  def init_stats(self) -> PairStats:
+    return PairStats(heads=self.heads.init_stats(), lookup=self.lookup.init_stats())

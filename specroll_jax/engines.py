@@ -1,0 +1,166 @@
+"""The two rollout engines as frozen objects (docs/design.md, "Data flow of a rollout").
+
+An engine holds everything static about a rollout (model config, decode settings, and for the
+speculative engine the proposer and ``SpecConfig``) and is hashable, so it is the static argument
+of one compiled program. Calling it takes the traced parts only: the parameters, for
+``SpecEngine`` the proposer's parameters, and one ``PromptBatch``::
+
+    engine = engines.VanillaEngine.build(config, sampling=SamplingConfig(temperature=1.0),
+                                         max_new_tokens=256, cache_length=batch.cache_length)
+    out = engine(params, batch)          # traceable: inside your jax.jit / jax.shard_map
+    out = engine.jit(params, batch)      # or compiled once per engine (cached by jax)
+
+    spec = engines.SpecEngine.build(config, proposer=HeadsProposer(), sampling=..., ...)
+    out = spec(params, heads, batch)     # the same tokens as the vanilla engine
+
+``rollout.generate`` is the host convenience on top (validation, padding, one way to choose a
+proposer, adaptation between batches); ``rollout.vanilla_rollout`` / ``speculative_rollout`` are
+the same traceable functions with the static settings spelled as keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int, UInt32
+
+from specroll_jax import speculative as _spec
+from specroll_jax import vanilla as _vanilla
+from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.kernels import Kernels
+from specroll_jax.models.config import ModelConfig
+from specroll_jax.proposers.base import Proposer
+from specroll_jax.results import Rollout
+from specroll_jax.sampling import SamplingConfig
+
+__all__ = ["PromptBatch", "SpecEngine", "VanillaEngine"]
+
+_PLAIN = SamplingConfig()
+_SPEC = SpecConfig()
+
+
+@flax.struct.dataclass
+class PromptBatch:
+  """One batch of prompts on device (a pytree: shard it, pass it through jit).
+
+  tokens [B, P] right-padded prompt ids; lengths [B]; sample_ids [B] the noise coordinate of each
+  response (``sampling.group_sample_ids`` for GRPO groups); eos_ids [E] ids that end a response
+  (-1 padded; ``[-1]`` for none); seed [] the rollout's seed.
+  """
+
+  tokens: Int[Array, "B P"]
+  lengths: Int[Array, " B"]
+  sample_ids: Int[Array, " B"]
+  eos_ids: Int[Array, " E"]
+  seed: UInt32[Array, ""]
+
+  @classmethod
+  def from_prepared(cls, prepared, seed) -> PromptBatch:
+    """The device batch of a ``rollout.prepare_batch`` result (validated and padded on the host)
+    and a seed in [0, 2**32)."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not (
+        0 <= int(seed) < 2**32):
+      raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    return cls(tokens=jnp.asarray(prepared.tokens), lengths=jnp.asarray(prepared.lengths),
+               sample_ids=jnp.asarray(prepared.sample_ids), eos_ids=jnp.asarray(prepared.eos_ids),
+               seed=jnp.uint32(seed))
+
+
+def _settings(sampling, max_new_tokens, cache_length, kernels, **kw) -> DecodeSettings:
+  return DecodeSettings(sampling=sampling, max_new_tokens=max_new_tokens,
+                        cache_length=cache_length, kernels=Kernels.resolve(kernels), **kw)
+
+
+def _check_common(engine) -> None:
+  if not isinstance(engine.config, ModelConfig):
+    raise ValueError(f"{type(engine).__name__}.config must be a ModelConfig, got "
+                     f"{type(engine.config).__name__}")
+  if not isinstance(engine.settings, DecodeSettings):
+    raise ValueError(f"{type(engine).__name__}.settings must be a DecodeSettings, got "
+                     f"{type(engine.settings).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class VanillaEngine:
+  """Plain decoding: batched prefill, then one token per row per step, rows bucketed as they
+  finish (``DecodeSettings.bucket_fractions``)."""
+
+  config: ModelConfig
+  settings: DecodeSettings
+
+  def __post_init__(self):
+    _check_common(self)
+
+  @classmethod
+  def build(cls, config: ModelConfig, *, max_new_tokens: int, cache_length: int,
+            sampling: SamplingConfig = _PLAIN, kernels: str | Kernels = "auto",
+            **settings) -> VanillaEngine:
+    """An engine from the decode settings' fields (``DecodeSettings`` validates them)."""
+    return cls(config, _settings(sampling, max_new_tokens, cache_length, kernels, **settings))
+
+  def __call__(self, params, batch: PromptBatch) -> Rollout:
+    """The rollout of ``batch`` (traceable)."""
+    return _vanilla.vanilla_rollout(self.config, params, batch.tokens, batch.lengths,
+                                    batch.sample_ids, batch.eos_ids, batch.seed,
+                                    settings=self.settings)
+
+  def jit(self, params, batch: PromptBatch) -> Rollout:
+    """``self(params, batch)`` compiled (one program per engine and batch shape)."""
+    return _vanilla_call(self, params, batch)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecEngine:
+  """Speculative decoding with ``proposer``: a verify forward per step over each row's candidate
+  tree, committing exactly the vanilla engine's tokens (docs/design.md, "One speculative step")."""
+
+  config: ModelConfig
+  settings: DecodeSettings
+  proposer: Proposer
+  spec: SpecConfig = _SPEC
+
+  def __post_init__(self):
+    _check_common(self)
+    if not isinstance(self.proposer, Proposer):
+      raise ValueError(f"SpecEngine.proposer must be a specroll_jax.proposers.Proposer, got "
+                       f"{type(self.proposer).__name__}")
+    if not isinstance(self.spec, SpecConfig):
+      raise ValueError(f"SpecEngine.spec must be a SpecConfig, got {type(self.spec).__name__}")
+
+  @classmethod
+  def build(cls, config: ModelConfig, *, proposer: Proposer, max_new_tokens: int,
+            cache_length: int, sampling: SamplingConfig = _PLAIN,
+            spec: SpecConfig = _SPEC, kernels: str | Kernels = "auto",
+            **settings) -> SpecEngine:
+    return cls(config, _settings(sampling, max_new_tokens, cache_length, kernels, **settings),
+               proposer, spec)
+
+  def vanilla(self) -> VanillaEngine:
+    """The vanilla engine with the same settings (the reference for exactness checks)."""
+    return VanillaEngine(self.config, self.settings)
+
+  def __call__(self, params, proposer_params, batch: PromptBatch) -> Rollout:
+    """The rollout of ``batch`` (traceable); ``proposer_params`` as the proposer's ``validate``
+    accepts them."""
+    return _spec.speculative_rollout(self.config, params, self.proposer, proposer_params,
+                                     batch.tokens, batch.lengths, batch.sample_ids, batch.eos_ids,
+                                     batch.seed, settings=self.settings, spec=self.spec)
+
+  def jit(self, params, proposer_params, batch: PromptBatch) -> Rollout:
+    """``self(params, proposer_params, batch)`` compiled once per engine and batch shape."""
+    return _spec_call(self, params, proposer_params, batch)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _vanilla_call(engine: VanillaEngine, params, batch: PromptBatch) -> Rollout:
+  return engine(params, batch)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _spec_call(engine: SpecEngine, params, proposer_params, batch: PromptBatch) -> Rollout:
+  return engine(params, proposer_params, batch)

@@ -1,0 +1,116 @@
+"""Reflex's closed-form feedback from a matured prediction record (docs/design.md, "Feedback
+from a matured record"): no backprop, unembedding rows only."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from specroll_jax import records as _records
+from specroll_jax.models import decoder as _dec
+from specroll_jax.reflex.config import ReflexConfig
+from specroll_jax.sampling import inverse_temperature
+
+
+def _first_occurrence(ids):
+  """ids [.., U] -> mask of entries >= 0 that do not repeat an earlier entry."""
+  u = ids.shape[-1]
+  same = ids[..., :, None] == ids[..., None, :]  # [.., U, U]
+  earlier = jnp.tril(jnp.ones((u, u), bool), k=-1)
+  return (ids >= 0) & ~(same & earlier).any(-1)
+
+
+def _member(ids, sets):
+  """ids [.., U], sets [.., C] (-1 = none) -> ids[u] in sets."""
+  return ((ids[..., :, None] == sets[..., None, :]) & (sets[..., None, :] >= 0)).any(-1)
+
+
+def _unembed_rows(config, params, ids):
+  """Unembedding vectors W_v [.., D] of ids [..] (ids clipped into range)."""
+  ids = jnp.clip(ids, 0, config.vocab_size - 1)
+  w, layout = _dec.unembedding_for_kernel(config, params)
+  if layout == "vd":
+    return jnp.take(w, ids, axis=0)
+  return jnp.moveaxis(jnp.take(w, ids, axis=1), 0, -1)
+
+
+@flax.struct.dataclass
+class Matured:
+  """Feedback computed from records (leaves [.., ...] over records)."""
+
+  g: Float[Array, "... D"]  # feedback vector
+  tv: Float[Array, "..."]
+  out: Float[Array, "..."]  # target mass the candidates missed
+  severity: Float[Array, "..."]
+  support: Int[Array, "... U"]  # the support S (-1 where not in it)
+  p: Float[Array, "... U"]  # target distribution renormalised on S
+  p_tail: Float[Array, "..."]  # target mass outside S (full vocabulary)
+  gain: Float[Array, "..."]  # p(corrected top-k) - p(raw top-k)
+
+
+def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, corr_top, raw_top,
+             path_hidden, lse) -> Matured:
+  """Feedback of matured records (docs/design.md, "Feedback from a matured record").
+
+  head_out [.., D]: the corrected head output h_k'; ids_q / ids_p [.., top]: top ids of q and of
+  the target's p; token [..]: the committed token; cand / corr_top / raw_top [.., C]; path_hidden
+  [.., D]: the target's anchor hidden state of the committed position; lse [..]: logsumexp of the
+  target's tempered logits there. Support S = top(q) u top(p) u {token} u C (at most 2 top + 1 + C
+  ids), p_S and q_S renormalised on S at the sampling temperature.
+  """
+  config, params = target.config, target.params
+  inv_t = 1.0 if target.sampling.greedy else float(inverse_temperature(
+      target.sampling.temperature))
+  ids = jnp.concatenate([ids_q, ids_p, token[..., None], corr_top, raw_top], axis=-1)
+  first = _first_occurrence(ids)
+  in_s = first & (_member(ids, ids_q) | _member(ids, ids_p) | (ids == token[..., None])
+                  | _member(ids, cand))
+  w_rows = _unembed_rows(config, params, ids).astype(jnp.float32)  # [.., U, D]
+  norm_p = _dec.final_norm(config, params, path_hidden).astype(jnp.float32)
+  norm_q = _dec.final_norm(config, params, head_out).astype(jnp.float32)
+  xp = jnp.einsum("...d,...ud->...u", norm_p, w_rows) * inv_t
+  xq = jnp.einsum("...d,...ud->...u", norm_q, w_rows) * inv_t
+  p_full = jnp.where(first, jnp.exp(xp - lse[..., None]), 0.0)  # exact target probabilities
+  masked = lambda x: jnp.where(in_s, x, -jnp.inf)
+  p_s = jnp.where(in_s, jax.nn.softmax(masked(xp), axis=-1), 0.0)
+  q_s = jnp.where(in_s, jax.nn.softmax(masked(xq), axis=-1), 0.0)
+  tv = 0.5 * jnp.abs(p_s - q_s).sum(-1)
+  in_c = first & _member(ids, cand)
+  out = jnp.clip(1.0 - (p_full * in_c).sum(-1), 0.0, 1.0)
+  # coverage: target mass in top(p) outside the candidates, moved from the weakest candidates
+  miss = in_s & _member(ids, ids_p) & ~in_c
+  miss_mass = (p_s * miss).sum(-1)
+  xq_c = jnp.where(in_c, xq, jnp.inf)
+  kth = -jax.lax.top_k(-xq_c, min(cfg.weak, ids.shape[-1]))[0][..., -1:]  # weak-th smallest
+  weak = in_c & (xq_c <= kth)
+  beta = jnp.where(weak, jax.nn.softmax(jnp.where(weak, xq, -jnp.inf), axis=-1), 0.0)
+  beta = jnp.where(weak.any(-1, keepdims=True), beta, 0.0)
+  w = (cfg.dist_weight * (p_s - q_s) + cfg.cov_weight * (p_s * miss)
+       - cfg.cov_weight * miss_mass[..., None] * beta)
+  g = jnp.einsum("...u,...ud->...d", w, w_rows)
+  severity = jnp.clip(0.5 * tv + 0.5 * out, 0.0, 1.0)
+  gain = (p_full * (first & _member(ids, corr_top))).sum(-1) - (
+      p_full * (first & _member(ids, raw_top))).sum(-1)
+  p_tail = jnp.clip(1.0 - (p_full * in_s).sum(-1), 0.0, 1.0)
+  return Matured(g=g, tv=tv, out=out, severity=severity, support=jnp.where(in_s, ids, -1), p=p_s,
+                 p_tail=p_tail, gain=gain)
+
+
+class _Matured(NamedTuple):
+  """What one step's matured records contribute (``ReflexProposer._mature``): per (row, head)
+  observation count / sum / sum of squares, severity added, the fast state's increment dm
+  [R, K, D], non-finite feedback, the slow path's records and the per-head statistics."""
+
+  cnt: jax.Array
+  tot: jax.Array
+  sq: jax.Array
+  sev_add: jax.Array
+  dm: jax.Array
+  bad: jax.Array
+  records: _records.Records | None
+  stats: object  # ReflexStats (the matured records' fields)
+

@@ -1,0 +1,214 @@
+"""Slow path: a degradation monitor and a guarded refresh of the future-token heads, run between
+rollout batches (docs/design.md, "Slow path").
+
+The rollout loop calls :func:`after_batch` once per rollout batch with the batch's matured
+prediction records (``specroll_jax.records``) and the per-head acceptance rates. It
+
+1. merges the records into a bounded reservoir (``reservoir_size // K`` per head, recent first);
+2. updates the monitor (:func:`monitor_update`). The first ``calibration_batches`` batches fix a
+   robust baseline per head: median and MAD of the per-batch mean sparse TV, median acceptance.
+   Then every ``check_every`` batches, each head with >= ``min_records`` records since its last
+   check gets the robust z-score of its window's record-weighted TV,
+   ``z = (TV - median) / max(mad_scale * MAD, min_scale)``; it is *degraded* when
+   ``z > z_threshold`` and its window acceptance is >= ``acceptance_drop`` below the baseline. A
+   head fires after ``patience`` consecutive degraded checks; at most ``max_heads`` firing heads
+   (highest z) are refreshed, then no refresh fires for ``cooldown_batches`` batches. Modes
+   ``scheduled``, ``every_batch`` and ``off`` replace this rule (see ``SlowPathConfig``);
+3. refreshes the named heads (:func:`refresh`: one compiled program for every head selection and
+   every reservoir content) with AdamW on ``0.7 sparse distillation + 0.3 token CE + 0.1 proximal
+   KL`` (heads only, the target is frozen) on the training 90% of the reservoir, and keeps each
+   head's update only when the held-out 10% confirm it (:func:`keep_rule`: CE <= 1.01 x before and
+   TV lower); otherwise that head's parameters and optimiser state are restored bit for bit.
+
+Extra dimensions: C reservoir records per head, S support ids per record, Kc candidates per record,
+Cb calibration batches.
+
+Modules: ``config`` (``SlowPathConfig``, modes, reasons), ``state`` (the state structs),
+``monitor`` (baselines, windows, the refresh decision), ``refresh`` (the guarded head refresh and
+its bounded compile cache); this package's ``init`` and ``after_batch`` are the host entry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from specroll_jax import head_kinds
+from specroll_jax import records as records_lib
+from specroll_jax.heads import Heads
+from specroll_jax.models.config import ModelConfig
+from specroll_jax.records import Records
+from specroll_jax.slow_path.config import MODES, REASONS, SlowPathConfig
+from specroll_jax.slow_path.monitor import batch_stats, monitor_init, monitor_update
+from specroll_jax.slow_path.refresh import (
+  _compiled_refresh,
+  evaluate,
+  holdout_slots,
+  keep_rule,
+  optimizer,
+  refresh,
+  refresh_compiles,
+  refresh_jit,
+)
+from specroll_jax.slow_path.state import (
+  Decision,
+  Evaluation,
+  MonitorState,
+  RefreshResult,
+  SlowPathState,
+)
+
+
+def init(cfg: SlowPathConfig, heads: Heads, *, support_size: int,
+         num_candidates: int) -> SlowPathState:
+  """A fresh state for ``heads``: empty reservoir of ``cfg.per_head(K)`` records per head with
+  ``support_size`` support ids and ``num_candidates`` candidates each (the record producer's
+  shapes), an uncalibrated monitor, a per-head AdamW state, zero counters."""
+  if not isinstance(cfg, SlowPathConfig):
+    raise ValueError(f"cfg must be a SlowPathConfig, got {type(cfg).__name__}")
+  if not isinstance(heads, head_kinds.KINDS):
+    raise ValueError(f"heads must be heads.Heads or cond_heads.CondHeads, got "
+                     f"{type(heads).__name__}")
+  for name, v in (("support_size", support_size), ("num_candidates", num_candidates)):
+    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+  k = heads.num_heads
+  c = cfg.per_head(k)
+  need = math.ceil(1 / cfg.holdout_fraction) + 1
+  if c < need:
+    raise ValueError(
+        f"SlowPathConfig.reservoir_size={cfg.reservoir_size} gives {c} records per head for {k} "
+        f"heads; holdout_fraction={cfg.holdout_fraction} needs at least {need} per head "
+        f"(reservoir_size >= {need * k})")
+  reservoir = records_lib.empty(k, c, heads.hidden_size, int(support_size), int(num_candidates),
+                                path=k if head_kinds.is_conditioned(heads) else 0)
+  ints = jnp.zeros((k,), jnp.int32)
+  return SlowPathState(reservoir=reservoir, monitor=monitor_init(cfg, k),
+                       opt_state=jax.vmap(optimizer(cfg).init)(heads), tried=ints, kept=ints,
+                       rolled_back=ints)
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Host entry
+
+
+def _observe(cfg, state: SlowPathState, batch: Records, acceptance, rollout_seconds):
+  tv, n = batch_stats(batch)
+  reservoir = records_lib.merge(state.reservoir, batch)
+  monitor, decision = monitor_update(cfg, state.monitor, tv, acceptance, n, rollout_seconds)
+  return state.replace(reservoir=reservoir, monitor=monitor), decision, tv, n
+
+
+_observe_jit = jax.jit(_observe, static_argnums=0)
+
+
+def _commit(state: SlowPathState, res: RefreshResult, seconds):
+  m = state.monitor
+  seconds = jnp.asarray(seconds, jnp.float32)
+  i32 = lambda x: x.astype(jnp.int32)
+  return state.replace(
+      tried=state.tried + i32(res.trained), kept=state.kept + i32(res.keep),
+      rolled_back=state.rolled_back + i32(res.trained & ~res.keep),
+      monitor=m.replace(refresh_seconds=m.refresh_seconds + seconds, last_refresh_seconds=seconds))
+
+
+_commit_jit = jax.jit(_commit)
+
+
+def _check_inputs(cfg, state, model_config, heads, batch, acceptance, rollout_seconds):
+  if not isinstance(cfg, SlowPathConfig):
+    raise ValueError(f"cfg must be a SlowPathConfig, got {type(cfg).__name__}")
+  if not isinstance(state, SlowPathState):
+    raise ValueError(f"state must be a SlowPathState (slow_path.init), got {type(state).__name__}")
+  head_kinds.validate(model_config, heads, state.reservoir.num_heads)
+  if state.monitor.calib_tv.shape[0] != cfg.calibration_batches:
+    raise ValueError(
+        f"state was made for calibration_batches={state.monitor.calib_tv.shape[0]}, but "
+        f"cfg.calibration_batches={cfg.calibration_batches}")
+  if state.reservoir.capacity != cfg.per_head(heads.num_heads):
+    raise ValueError(
+        f"state's reservoir holds {state.reservoir.capacity} records per head, but "
+        f"cfg.reservoir_size={cfg.reservoir_size} gives {cfg.per_head(heads.num_heads)}")
+  if not isinstance(batch, Records):
+    raise ValueError(f"batch_records must be a specroll_jax.records.Records, got "
+                     f"{type(batch).__name__}")
+  r = state.reservoir
+  for name in ("hidden", "support", "candidates"):
+    want, got = getattr(r, name).shape, getattr(batch, name).shape
+    if got[0] != want[0] or got[2:] != want[2:]:
+      raise ValueError(
+          f"batch_records.{name} has shape {got}; the reservoir needs [K={want[0]}, any, "
+          f"{', '.join(map(str, want[2:]))}]")
+  acc = np.asarray(acceptance, np.float32)
+  if acc.shape != (heads.num_heads,):
+    raise ValueError(f"head_acceptance must have shape ({heads.num_heads},), got {acc.shape}")
+  finite = acc[np.isfinite(acc)]
+  if np.isinf(acc).any() or ((finite < 0) | (finite > 1)).any():
+    raise ValueError(f"head_acceptance must lie in [0, 1] (NaN: unknown), got {acc.tolist()}")
+  s = float(rollout_seconds)
+  if not math.isfinite(s) or s < 0:
+    raise ValueError(f"rollout_seconds must be a finite number >= 0, got {rollout_seconds!r}")
+  return acc, np.float32(s)
+
+
+def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelConfig, params,
+                heads: Heads, batch_records: Records, head_acceptance: Float[Array, " K"],
+                rollout_seconds: float) -> tuple[SlowPathState, Heads, dict]:
+  """The rollout loop's call between two batches: merge the batch's records (its own buffer, a
+  fresh ``records.empty`` per batch) into the reservoir, update the monitor, and refresh the heads
+  the decision names. Returns (state, heads, report); ``report`` holds plain Python values:
+  batch, mode, decision (a REASONS name), per-head z / batch TV / acceptance / records, the heads
+  refreshed, kept and rolled back, their held-out CE and TV before and after, refresh_seconds
+  (wall-clock of the run) and compile_seconds (when this call compiled the refresh program).
+  Nothing is donated: the input state and heads stay valid.
+
+  Typical loop (``records`` [K, *, ...] and ``acceptance`` [K] are what the rollout's proposer
+  collected for this batch)::
+
+    state = slow_path.init(cfg, heads, support_size=S, num_candidates=Kc)
+    for prompts in batches:
+      t0 = time.perf_counter()
+      records, acceptance = ...  # rollout of ``prompts`` with ``heads``
+      state, heads, report = slow_path.after_batch(cfg, state, model_config, params, heads,
+                                                   records, acceptance, time.perf_counter() - t0)
+  """
+  acc, secs = _check_inputs(cfg, state, model_config, heads, batch_records, head_acceptance,
+                            rollout_seconds)
+  state, decision, tv, n = _observe_jit(cfg, state, batch_records, jnp.asarray(acc), secs)
+  d, tv, n = jax.device_get((decision, tv, n))
+  fl = lambda x: [float(v) for v in np.asarray(x)]
+  report = {"batch": int(jax.device_get(state.monitor.batches)), "mode": cfg.mode,
+            "decision": REASONS[int(d.reason)], "steps": int(d.steps) if d.refresh.any() else 0,
+            "z": fl(d.z), "tv": fl(tv),
+            "acceptance": fl(acc), "records": [int(v) for v in n], "heads": [], "kept": [],
+            "rolled_back": [], "ce_before": [], "ce_after": [], "tv_before": [], "tv_after": [],
+            "refresh_seconds": 0.0, "compile_seconds": 0.0}
+  if not d.refresh.any():
+    return state, heads, report
+  args = (params, heads, state.opt_state, state.reservoir, jnp.asarray(d.refresh),
+          jnp.asarray(d.steps, jnp.int32))
+  compiled, compile_s = _compiled_refresh(cfg.refresh_settings(), model_config, args)
+  t0 = time.perf_counter()
+  new_heads, opt_state, res = jax.block_until_ready(compiled(*args))
+  seconds = time.perf_counter() - t0
+  state = _commit_jit(state.replace(opt_state=opt_state), res, np.float32(seconds))
+  r = jax.device_get(res)
+  ks = [int(k) for k in np.flatnonzero(r.trained)]
+  report.update(
+      heads=ks, kept=[k for k in ks if r.keep[k]], rolled_back=[k for k in ks if not r.keep[k]],
+      ce_before=[float(r.before.ce[k]) for k in ks], ce_after=[float(r.after.ce[k]) for k in ks],
+      tv_before=[float(r.before.tv[k]) for k in ks], tv_after=[float(r.after.tv[k]) for k in ks],
+      refresh_seconds=seconds, compile_seconds=compile_s)
+  return state, new_heads, report
+
+
+__all__ = ["MODES", "REASONS", "Decision", "Evaluation", "MonitorState", "RefreshResult",
+           "SlowPathConfig", "SlowPathState", "after_batch", "batch_stats", "evaluate",
+           "holdout_slots", "init", "keep_rule", "monitor_init", "monitor_update", "optimizer",
+           "refresh", "refresh_compiles", "refresh_jit"]

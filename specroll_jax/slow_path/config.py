@@ -1,0 +1,150 @@
+"""The slow path's settings (``SlowPathConfig``), its modes and the monitor's reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from specroll_jax._fields import check_float, check_int
+
+MODES = ("degradation", "scheduled", "every_batch", "off")
+
+# Why the monitor decided what it did (Decision.reason indexes this tuple).
+REASONS = ("off", "calibrating", "waiting", "healthy", "too_few_records", "degraded", "cooldown",
+           "sustained_degradation", "scheduled", "schedule_wait", "over_budget", "every_batch")
+_R = {name: i for i, name in enumerate(REASONS)}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SlowPathConfig:
+  """Every window, threshold and optimiser setting of the slow path. Frozen and hashable: it is a
+  static jit argument. Defaults follow docs/design.md, "Slow path"; ``for_tests`` has CPU-sized
+  windows.
+
+  mode: "degradation" (refresh after sustained degradation), "scheduled" (whenever
+    ``scheduled_min_records`` records and ``scheduled_min_batches`` batches have passed since the
+    last update and the refresh time so far fits in ``time_budget`` of the rollout time: one step
+    on the head with the highest TV since the last update), "every_batch" (every head with
+    records, every batch; FastGRPO-style) or "off".
+  reservoir_size: records kept in total; each of the K heads gets ``reservoir_size // K``.
+  holdout_fraction: share of reservoir slots held out of training (fixed, stratified slots) and used
+    only to accept or reject a refresh.
+  calibration_batches: batches whose per-batch TV and acceptance set each head's baseline.
+  check_every: batches between two checks once calibrated.
+  min_records: records a head needs since its last check to be checked (fewer: the window grows).
+  mad_scale, min_scale: robust scale = max(mad_scale * MAD, min_scale).
+  z_threshold, acceptance_drop: degraded when z > z_threshold and acceptance fell by at least
+    acceptance_drop from the calibration median.
+  patience: consecutive degraded checks before a head fires.
+  max_heads: heads refreshed at most per firing (the highest z).
+  cooldown_batches: batches after a refresh during which no other refresh fires ("degradation").
+  scheduled_min_records, scheduled_min_batches, scheduled_steps, time_budget: mode "scheduled"
+    (records summed over heads; budget = cumulative refresh seconds (excluding compilation) plus the
+    last refresh's cost, over cumulative rollout seconds).
+  refresh_steps: optimiser steps per refresh ("degradation", "every_batch"); each step is a full
+    batch over the head's training records.
+  distill_weight, token_weight, proximal_weight: loss = distill * CE(p on S + tail bucket) +
+    token * CE(committed token) + proximal * KL(pre-refresh head || head) on S + tail bucket.
+  learning_rate, b1, b2, eps, weight_decay, clip_norm: optax AdamW after clipping each head's
+    gradient to global norm ``clip_norm``; every head has its own optimiser state (and step count).
+    Weight decay applies to the heads' W and b, not to their norm scales.
+  keep_ce_ratio: a refreshed head is kept when held-out CE <= keep_ce_ratio * before and held-out
+    TV went down (``guard``); with ``guard=False`` every refresh is kept.
+  temperature: the rollout's sampling temperature (the records' p are at it); 0 (greedy) trains
+    the heads' logits at temperature 1.
+  use_correction: train the heads with the Reflex correction recorded with each record added to
+    their output (False: the raw heads learn to match the target on their own).
+  chunk_size: records per head processed together; bounds the [K, chunk, V] logits in memory.
+  """
+
+  mode: str = "degradation"
+  reservoir_size: int = 4096
+  holdout_fraction: float = 0.1
+  calibration_batches: int = 20
+  check_every: int = 20
+  min_records: int = 1024
+  mad_scale: float = 1.4826
+  min_scale: float = 0.01
+  z_threshold: float = 2.5
+  acceptance_drop: float = 0.05
+  patience: int = 2
+  max_heads: int = 2
+  cooldown_batches: int = 50
+  scheduled_min_records: int = 256
+  scheduled_min_batches: int = 8
+  scheduled_steps: int = 1
+  time_budget: float = 0.015
+  refresh_steps: int = 2
+  distill_weight: float = 0.7
+  token_weight: float = 0.3
+  proximal_weight: float = 0.1
+  learning_rate: float = 1e-5
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-6
+  weight_decay: float = 0.01
+  clip_norm: float = 1.0
+  keep_ce_ratio: float = 1.01
+  guard: bool = True
+  temperature: float = 1.0
+  use_correction: bool = False
+  chunk_size: int = 256
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"SlowPathConfig.mode must be one of {MODES}, got {self.mode!r}")
+    check_int(self, "reservoir_size", 2)
+    check_float(self, "holdout_fraction", 0.0, 0.5, lo_open=True)
+    for name in ("calibration_batches", "check_every", "patience", "max_heads",
+                 "scheduled_min_batches", "scheduled_steps", "refresh_steps", "chunk_size"):
+      check_int(self, name, 1)
+    for name in ("min_records", "cooldown_batches", "scheduled_min_records"):
+      check_int(self, name, 0)
+    check_float(self, "mad_scale", 0.0, lo_open=True)
+    check_float(self, "min_scale", 0.0, lo_open=True)
+    check_float(self, "z_threshold", -math.inf)
+    check_float(self, "acceptance_drop", -1.0, 1.0)
+    check_float(self, "time_budget", 0.0)
+    for name in ("distill_weight", "token_weight", "proximal_weight", "weight_decay",
+                 "temperature"):
+      check_float(self, name, 0.0)
+    if self.distill_weight + self.token_weight == 0:
+      raise ValueError("SlowPathConfig.distill_weight + token_weight must be > 0, got 0")
+    check_float(self, "learning_rate", 0.0, lo_open=True)
+    check_float(self, "b1", 0.0, 1.0)
+    check_float(self, "b2", 0.0, 1.0)
+    check_float(self, "eps", 0.0, lo_open=True)
+    check_float(self, "clip_norm", 0.0, lo_open=True)
+    check_float(self, "keep_ce_ratio", 0.0, lo_open=True)
+    for name in ("guard", "use_correction"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"SlowPathConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+  def replace(self, **kw) -> SlowPathConfig:
+    return dataclasses.replace(self, **kw)
+
+  @classmethod
+  def for_tests(cls, **kw) -> SlowPathConfig:
+    """Short windows and a small reservoir for CPU tests (everything else: the defaults)."""
+    base = dict(reservoir_size=384, calibration_batches=8, check_every=2, min_records=16,
+                cooldown_batches=6, scheduled_min_records=32, scheduled_min_batches=3,
+                chunk_size=64)
+    base.update(kw)
+    return cls(**base)
+
+  def per_head(self, num_heads: int) -> int:
+    """Reservoir records per head (C)."""
+    return self.reservoir_size // num_heads
+
+  def refresh_settings(self) -> SlowPathConfig:
+    """This config with every field the refresh does not read at its default, so that configs
+    differing only in mode, windows or thresholds share one compiled refresh program."""
+    return SlowPathConfig(**{f: getattr(self, f) for f in _REFRESH_FIELDS})
+
+
+# The fields ``refresh`` reads (everything else is the monitor's).
+_REFRESH_FIELDS = ("holdout_fraction", "distill_weight", "token_weight", "proximal_weight",
+                   "learning_rate", "b1", "b2", "eps", "weight_decay", "clip_norm",
+                   "keep_ce_ratio", "guard", "temperature", "use_correction", "chunk_size")
+
+

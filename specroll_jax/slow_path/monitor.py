@@ -1,0 +1,125 @@
+"""The degradation monitor: robust per-head baselines, windows of record-weighted sparse TV and
+acceptance, and the decision whether (and which heads) to refresh (docs/design.md, "Slow path")."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from specroll_jax.records import Records
+from specroll_jax.slow_path.config import _R, SlowPathConfig
+from specroll_jax.slow_path.state import Decision, MonitorState
+
+
+def monitor_init(cfg: SlowPathConfig, num_heads: int) -> MonitorState:
+  k, f32 = num_heads, jnp.float32
+  zeros, nan = jnp.zeros((k,), f32), jnp.full((k,), jnp.nan, f32)
+  calib = jnp.full((cfg.calibration_batches, k), jnp.nan, f32)
+  scalar = lambda dt: jnp.zeros((), dt)
+  return MonitorState(
+      batches=scalar(jnp.int32), calib_tv=calib, calib_acc=calib, tv_median=nan, tv_mad=nan,
+      acc_baseline=nan, window_tv=zeros, window_n=zeros, window_acc=zeros, window_acc_n=zeros,
+      consecutive=jnp.zeros((k,), jnp.int32), z=nan, cooldown=scalar(jnp.int32),
+      last_update=scalar(jnp.int32), since_tv=zeros, since_n=zeros, rollout_seconds=scalar(f32),
+      refresh_seconds=scalar(f32), last_refresh_seconds=scalar(f32))
+
+
+
+def batch_stats(batch: Records) -> tuple[Float[Array, " K"], Float[Array, " K"]]:
+  """(mean TV of the batch buffer's valid records [K] (NaN: none), records matured [K]). The
+  count is ``batch.count``: a per-batch ring that wrapped still counts every matured record."""
+  v = batch.valid.astype(jnp.float32)
+  n_valid = v.sum(1)
+  tv = jnp.where(n_valid > 0, (batch.tv * v).sum(1) / jnp.maximum(n_valid, 1), jnp.nan)
+  return tv, batch.count.astype(jnp.float32)
+
+
+def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
+                   acceptance: Float[Array, " K"], records: Float[Array, " K"],
+                   rollout_seconds: Float[Array, ""]) -> tuple[MonitorState, Decision]:
+  """One rollout batch: per head its mean sparse TV, acceptance rate (NaN: unknown) and number of
+  matured records. Pure (``cfg`` static); returns the new monitor and the decision."""
+  f32 = jnp.float32
+  k = tv.shape[0]
+  n = jnp.where(jnp.isfinite(tv), records.astype(f32), 0.0)
+  tv0 = jnp.where(n > 0, tv, 0.0)
+  acc_known = jnp.isfinite(acceptance)
+  acc0 = jnp.where(acc_known, acceptance, 0.0)
+  nb = cfg.calibration_batches
+  b = m.batches + 1  # batches observed, this one included
+  calibrating = b <= nb
+  row = jnp.minimum(b - 1, nb - 1)
+  calib_tv = jnp.where(calibrating, m.calib_tv.at[row].set(jnp.where(n > 0, tv, jnp.nan)),
+                       m.calib_tv)
+  calib_acc = jnp.where(calibrating,
+                        m.calib_acc.at[row].set(jnp.where(acc_known, acceptance, jnp.nan)),
+                        m.calib_acc)
+  med = jnp.nanmedian(calib_tv, axis=0)
+  mad = jnp.nanmedian(jnp.abs(calib_tv - med), axis=0)
+  done = b == nb
+  tv_median = jnp.where(done, med, m.tv_median)
+  tv_mad = jnp.where(done, mad, m.tv_mad)
+  acc_baseline = jnp.where(done, jnp.nanmedian(calib_acc, axis=0), m.acc_baseline)
+
+  post = ~calibrating
+  window_tv = m.window_tv + jnp.where(post, tv0 * n, 0.0)
+  window_n = m.window_n + jnp.where(post, n, 0.0)
+  window_acc = m.window_acc + jnp.where(post, acc0, 0.0)
+  window_acc_n = m.window_acc_n + jnp.where(post & acc_known, 1.0, 0.0)
+  is_check = post & ((b - nb) % cfg.check_every == 0)
+  checked = is_check & (window_n >= max(cfg.min_records, 1))
+  scale = jnp.maximum(cfg.mad_scale * tv_mad, cfg.min_scale)
+  z_now = (window_tv / jnp.maximum(window_n, 1.0) - tv_median) / scale
+  acc_now = jnp.where(window_acc_n > 0, window_acc / jnp.maximum(window_acc_n, 1.0), jnp.nan)
+  degraded = checked & (z_now > cfg.z_threshold) & (acc_baseline - acc_now >= cfg.acceptance_drop)
+  consecutive = jnp.where(checked, jnp.where(degraded, m.consecutive + 1, 0), m.consecutive)
+  z = jnp.where(checked, z_now, m.z)
+  reset = lambda x: jnp.where(checked, 0.0, x)
+  since_tv, since_n = m.since_tv + tv0 * n, m.since_n + n
+  cooldown = jnp.maximum(m.cooldown - 1, 0)
+  rollout_total = m.rollout_seconds + jnp.asarray(rollout_seconds, f32)
+
+  no = jnp.zeros((k,), bool)
+  steps = cfg.refresh_steps
+  if cfg.mode == "off":
+    refresh, reason = no, jnp.int32(_R["off"])
+  elif cfg.mode == "every_batch":
+    refresh, reason = ~no, jnp.int32(_R["every_batch"])
+  elif cfg.mode == "scheduled":
+    steps = cfg.scheduled_steps
+    due = (since_n.sum() >= cfg.scheduled_min_records) & (
+        b - m.last_update >= cfg.scheduled_min_batches) & (since_n.sum() > 0)
+    in_budget = (m.refresh_seconds + m.last_refresh_seconds
+                 <= cfg.time_budget * rollout_total)
+    fire = due & in_budget
+    worst = jnp.argmax(jnp.where(since_n > 0, since_tv / jnp.maximum(since_n, 1.0), -jnp.inf))
+    refresh = (jnp.arange(k) == worst) & fire
+    reason = jnp.where(fire, _R["scheduled"],
+                       jnp.where(due, _R["over_budget"], _R["schedule_wait"])).astype(jnp.int32)
+  else:
+    firing = degraded & (consecutive >= cfg.patience)
+    can = cooldown == 0
+    score = jnp.where(firing, z_now, -jnp.inf)
+    rank = jnp.zeros((k,), jnp.int32).at[jnp.argsort(-score)].set(jnp.arange(k, dtype=jnp.int32))
+    refresh = firing & (rank < cfg.max_heads) & can
+    reason = jnp.select(
+        [calibrating, ~is_check, firing.any() & can, firing.any(), degraded.any(), checked.any()],
+        [_R["calibrating"], _R["waiting"], _R["sustained_degradation"], _R["cooldown"],
+         _R["degraded"], _R["healthy"]], _R["too_few_records"]).astype(jnp.int32)
+    consecutive = jnp.where(refresh, 0, consecutive)
+    cooldown = jnp.where(refresh.any(), cfg.cooldown_batches, cooldown)
+
+  fired = refresh.any()
+  monitor = MonitorState(
+      batches=b, calib_tv=calib_tv, calib_acc=calib_acc, tv_median=tv_median, tv_mad=tv_mad,
+      acc_baseline=acc_baseline, window_tv=reset(window_tv), window_n=reset(window_n),
+      window_acc=reset(window_acc), window_acc_n=reset(window_acc_n), consecutive=consecutive,
+      z=z, cooldown=cooldown.astype(jnp.int32),
+      last_update=jnp.where(fired, b, m.last_update).astype(jnp.int32),
+      since_tv=jnp.where(fired, 0.0, since_tv), since_n=jnp.where(fired, 0.0, since_n),
+      rollout_seconds=rollout_total, refresh_seconds=m.refresh_seconds,
+      last_refresh_seconds=m.last_refresh_seconds)
+  return monitor, Decision(refresh=refresh, steps=jnp.int32(steps), reason=reason,
+                           checked=checked, degraded=degraded, z=z)
+
+
