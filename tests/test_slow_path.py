@@ -355,3 +355,34 @@ def test_bad_input_raises_value_error_naming_it(tiny):
   with pytest.raises(ValueError, match="batch_records.support"):
     sp.after_batch(MON_CFG, state, config, params, student,
                    records_lib.empty(K, 4, config.hidden_size, S + 1, KC), np.ones(K), 1.0)
+
+
+def test_compiled_refresh_cache_is_bounded_lru(monkeypatch):
+  """The process-wide cache of compiled refresh programs keeps at most CACHE_SIZE programs (least
+  recently used dropped first) and still counts every compile."""
+  from specroll_jax.slow_path import retrain as R
+
+  class _Lowered:
+    def __init__(self, key):
+      self.key = key
+
+    def compile(self):
+      return ("program", self.key)
+
+  class _FakeJit:
+    def lower(self, cfg, model_config, *args):
+      return _Lowered(cfg.learning_rate)
+
+  monkeypatch.setattr(R, "refresh_jit", _FakeJit())
+  monkeypatch.setattr(R, "_COMPILED", type(R._COMPILED)())
+  monkeypatch.setattr(R, "_NUM_COMPILES", 0)
+  args = (jnp.zeros((2,)),)
+  cfgs = [sp.SlowPathConfig(learning_rate=1e-3 * (i + 1)) for i in range(R.CACHE_SIZE + 3)]
+  for c in cfgs:
+    prog, seconds = R._compiled_refresh(c, None, args)
+    assert prog == ("program", c.learning_rate) and seconds >= 0
+  assert len(R._COMPILED) == R.CACHE_SIZE and sp.refresh_compiles() == len(cfgs)
+  _, seconds = R._compiled_refresh(cfgs[-1], None, args)  # recent: a hit
+  assert seconds == 0.0 and sp.refresh_compiles() == len(cfgs)
+  R._compiled_refresh(cfgs[0], None, args)  # evicted long ago: compiled again
+  assert sp.refresh_compiles() == len(cfgs) + 1 and len(R._COMPILED) == R.CACHE_SIZE

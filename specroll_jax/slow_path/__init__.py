@@ -24,7 +24,7 @@ Extra dimensions: C reservoir records per head, S support ids per record, Kc can
 Cb calibration batches.
 
 Modules: ``config`` (``SlowPathConfig``, modes, reasons), ``state`` (the state structs),
-``monitor`` (baselines, windows, the refresh decision), ``refresh`` (the guarded head refresh and
+``monitor`` (baselines, windows, the refresh decision), ``retrain`` (the guarded head refresh and
 its bounded compile cache); this package's ``init`` and ``after_batch`` are the host entry.
 """
 
@@ -45,7 +45,7 @@ from specroll_jax.models.config import ModelConfig
 from specroll_jax.records import Records
 from specroll_jax.slow_path.config import MODES, REASONS, SlowPathConfig
 from specroll_jax.slow_path.monitor import batch_stats, monitor_init, monitor_update
-from specroll_jax.slow_path.refresh import (
+from specroll_jax.slow_path.retrain import (
   _compiled_refresh,
   evaluate,
   holdout_slots,
