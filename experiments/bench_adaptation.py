@@ -105,7 +105,8 @@ DEFAULT_POLICIES = "runs/bench_adaptation/policies"
 
 def parse(argv):
   ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
+  _common.add_shared_flags(ap, out=None, prompts=4, group=8, max_new_tokens=48,
+                           prompts_help="benchmark prompts per batch")
   ap.add_argument("--policies", default=None,
                   help=f"the policy sequence's folder (default {DEFAULT_POLICIES}, "
                        "+ '_quick' with --quick)")
@@ -120,9 +121,6 @@ def parse(argv):
   ap.add_argument("--temperature", type=float, default=1.0, help="replay sampling temperature")
   ap.add_argument("--batches", type=int, default=None,
                   help="replayed batches = policies 0..n-1 (default: every saved policy)")
-  ap.add_argument("--prompts", type=int, default=4, help="benchmark prompts per batch")
-  ap.add_argument("--group", type=int, default=8, help="benchmark responses per prompt")
-  ap.add_argument("--max-new-tokens", type=int, default=48)
   ap.add_argument("--slow-lr", type=float, default=1e-3)
   ap.add_argument("--calibration", type=int, default=6, help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=32)
@@ -137,16 +135,13 @@ def parse(argv):
                   help="recovery counts batches where tau_ceiling - tau_static exceeds this")
   ap.add_argument("--no-calibration", action="store_true",
                   help="lookup / merged score with their prior tables")
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", default=None,
-                  help="JSON path (default runs/bench_adaptation.json, _quick with --quick)")
   ap.add_argument("--quick", action="store_true",
                   help="smoke run: 2 GRPO steps, 3 batches of 2 x 2, 24 tokens, 4 arms")
   a = ap.parse_args(argv)
-  cli.require(a, grpo_steps=1, save_every=1, grpo_prompts=1, grpo_group=2,
-              grpo_max_new_tokens=1, level=0, batches=2, prompts=1, group=1, max_new_tokens=1,
-              calibration=1, node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
-              ceiling_every=1, min_gap=0.0, seed=0)
+  _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_prompts=1, grpo_group=2,
+                             grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
+                             node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
+                             ceiling_every=1, min_gap=0.0)
   if not 0 <= a.temperature < float("inf"):
     cli.fail("--temperature", a.temperature, "must be a finite number >= 0")
   if not (a.grpo_lr > 0 and a.grpo_lr < float("inf")):

@@ -140,20 +140,15 @@ def main(argv=None):
   from specroll_jax import cli, pipeline
   from specroll_jax import heads as H
   ap = cli.ArgumentParser(description=__doc__)
-  ap.add_argument("--model", default=None, help="HF model folder (default: the embedded model)")
+  _common.add_shared_flags(ap, out="runs/bench_engine.json")
   ap.add_argument("--compare-to", default=None, help="git ref of the 'before' version")
-  ap.add_argument("--prompts", type=int, default=8)
-  ap.add_argument("--group", type=int, default=8)
-  ap.add_argument("--max-new-tokens", type=int, default=256)
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", default="runs/bench_engine.json")
   ap.add_argument("--only", nargs="+", default=None, metavar="TEXT",
                   help="run only the cases whose name contains one of these (e.g. 'one bucket')")
   ap.add_argument("--quick", action="store_true", help="2 prompts x 4, 48 tokens, few cases")
   a = ap.parse_args(argv)
-  cli.require(a, prompts=1, group=1, max_new_tokens=1, rounds=1, repeats=1)
+  _common.check_shared_flags(a, rounds=1, repeats=1)
   if a.quick:
     a.prompts, a.group, a.max_new_tokens, a.rounds, a.repeats = 2, 4, 48, 1, 1
   if a.compare_to is not None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 from pathlib import Path
 
 import _common
@@ -46,21 +45,6 @@ from specroll_jax.proposers.merged import Merged
 from specroll_jax.proposers.ranked import RankedProposer
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.store import ResponseStore
-
-
-def _timed(fn, repeats):
-  t0 = time.perf_counter()
-  out = fn()
-  jax.block_until_ready(out.tokens)
-  first = time.perf_counter() - t0
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    jax.block_until_ready(out.tokens)
-    times.append(time.perf_counter() - t0)
-  t = float(np.median(times))
-  return out, t, max(first - t, 0.0)
 
 
 def _row(name, mode, out, seconds, compile_s, van, nodes=None):
@@ -103,8 +87,9 @@ def run_temperature(a, config, params, tok, path, temperature):
   kw = dict(sampling=sampling, max_new_tokens=m, seed=a.seed, sample_ids=sids,
             eos_ids=tok.eos_ids)
   rows = []
-  van, t_van, c_van = _timed(lambda: rollout.generate(config, params, batch, **kw), a.repeats)
-  old, t_old, c_old = _timed(lambda: rollout.generate(
+  van, t_van, c_van = _common.timed(lambda: rollout.generate(config, params, batch, **kw),
+                                    a.repeats)
+  old, t_old, c_old = _common.timed(lambda: rollout.generate(
       config, params, batch, bucket_fractions=(1.0,), **kw), a.repeats)
   rows.append(_row("vanilla (no compaction)", "-", old, t_old, c_old, van))
   rows.append(_row("vanilla (compacting)", "-", van, t_van, c_van, van))
@@ -147,7 +132,7 @@ def run_temperature(a, config, params, tok, path, temperature):
         cal = cal.update(w_out.stats.spec.proposer)
       table = _shaped(prop, cal.table())
     pp = make(table, prior)
-    out, t, c = _timed(lambda prop=prop, pp=pp: rollout.generate(
+    out, t, c = _common.timed(lambda prop=prop, pp=pp: rollout.generate(
         config, params, batch, spec=fixed, proposer=prop, proposer_params=pp, **kw), a.repeats)
     rows.append(_row(name, f"{a.nodes} nodes/row", out, t, c, van, fixed.nodes))
     print(f"  {name} @ {a.nodes}: tau {rows[-1]['tau']:.3f}, depth-1 {rows[-1]['depth1']:.3f}, "
@@ -163,7 +148,7 @@ def run_temperature(a, config, params, tok, path, temperature):
     for gated in (False, True):
       spec, why = goodput.choose(cost, expected, len(batch), rollout.SpecConfig(),
                                  capacity=prop.capacity, gated=gated)
-      out, t, c = _timed(lambda prop=prop, pp=pp, spec=spec: rollout.generate(
+      out, t, c = _common.timed(lambda prop=prop, pp=pp, spec=spec: rollout.generate(
           config, params, batch, spec=spec, proposer=prop, proposer_params=pp, **kw), a.repeats)
       mode = "goodput + gate" if gated else "goodput"
       rows.append(_row(name, mode, out, t, c, van, spec.nodes))
@@ -206,34 +191,25 @@ def _shaped(prop, table):
 
 def main(argv=None):
   ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--model", default=None, help="HF model folder (default: embedded tiny model)")
+  _common.add_shared_flags(ap, out="runs/bench_proposals.json")
   ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7, 0.0])
-  ap.add_argument("--prompts", type=int, default=8)
-  ap.add_argument("--group", type=int, default=8)
-  ap.add_argument("--max-new-tokens", type=int, default=256)
   ap.add_argument("--nodes", type=int, default=4, help="nodes per row for proposal quality")
   ap.add_argument("--cost-nodes", type=int, nargs="+", default=list(goodput.DEFAULT_NODE_COUNTS))
   ap.add_argument("--warmup", type=int, default=2, help="calibration batches before measuring")
   ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--medusa-prompts", type=int, default=128)
   ap.add_argument("--medusa-steps", type=int, default=600)
   ap.add_argument("--cond-prompts", type=int, default=2048)
   ap.add_argument("--cond-steps", type=int, default=4000)
-  ap.add_argument("--out", default="runs/bench_proposals.json")
   ap.add_argument("--quick", action="store_true", help="CI-sized: 2 prompts x 4, 32 tokens, T=1")
   a = ap.parse_args(argv)
-  cli.require(a, temperatures=0.0, prompts=1, group=1, max_new_tokens=1, nodes=1, cost_nodes=0,
-              warmup=0, repeats=1, seed=0, medusa_prompts=1, medusa_steps=1, cond_prompts=1,
-              cond_steps=1)
+  _common.check_shared_flags(a, temperatures=0.0, nodes=1, cost_nodes=0, warmup=0, repeats=1,
+                             medusa_prompts=1, medusa_steps=1, cond_prompts=1, cond_steps=1)
   if a.quick:
     a.temperatures, a.prompts, a.group, a.max_new_tokens = [1.0], 2, 4, 32
     a.repeats, a.warmup, a.cost_nodes = 1, 1, [0, 2]
     a.medusa_prompts, a.medusa_steps, a.cond_prompts, a.cond_steps = 16, 20, 16, 20
-  try:
-    config, params, tok, path = pipeline.load_model(a.model)
-  except ValueError as e:
-    cli.fail("--model", a.model, str(e))
+  config, params, tok, path = _common.load_model(a)
   results = [run_temperature(a, config, params, tok, path, t) for t in a.temperatures]
   meta = {"command": "experiments/bench_proposals.py " + " ".join(argv or []),
           "cpu": _common.cpu_model(), "jax": jax.__version__,

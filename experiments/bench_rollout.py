@@ -14,55 +14,35 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
-import _common  # noqa: F401
+import _common
 import jax
 import numpy as np
 
 from specroll_jax import cli, pipeline, rollout
 
 
-def _timed(fn, repeats):
-  fn()  # compile every bucket this batch visits
-  times, out = [], None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    jax.block_until_ready(out.tokens)
-    times.append(time.perf_counter() - t0)
-  return out, float(np.median(times))
-
-
 def main(argv=None):
   ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--model", default=None, help="HF model folder (default: embedded tiny model)")
-  ap.add_argument("--prompts", type=int, default=8)
-  ap.add_argument("--group", type=int, default=8)
-  ap.add_argument("--max-new-tokens", type=int, default=256)
+  _common.add_shared_flags(ap, out="runs/bench_rollout.json")
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--top-p", type=float, default=1.0)
   ap.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128])
   ap.add_argument("--max-nodes", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--heads-steps", type=int, default=600)
-  ap.add_argument("--out", default="runs/bench_rollout.json")
   ap.add_argument("--quick", action="store_true", help="2 prompts x 4, 48 tokens, one budget")
   a = ap.parse_args(argv)
-  cli.require(a, prompts=1, group=1, max_new_tokens=1, temperature=0.0, budgets=0, max_nodes=0,
-              repeats=1, seed=0, heads_steps=1)
+  _common.check_shared_flags(a, temperature=0.0, budgets=0, max_nodes=0, repeats=1,
+                             heads_steps=1)
   if not 0 < a.top_p <= 1:
     cli.fail("--top-p", a.top_p, "must be in (0, 1]")
   if a.quick:
     a.prompts, a.group, a.max_new_tokens, a.budgets = 2, 4, 48, [32]
     a.repeats, a.heads_steps = 1, 50
 
-  try:
-    config, params, tok, path = pipeline.load_model(a.model)
-  except ValueError as e:
-    cli.fail("--model", a.model, str(e))
+  config, params, tok, path = _common.load_model(a)
   heads = pipeline.fitted_heads(config, params, tok, path, steps=a.heads_steps,
                                 temperature=a.temperature,
                                 num_prompts=32 if a.quick else 128,
@@ -72,7 +52,8 @@ def main(argv=None):
   cfg = rollout.SamplingConfig(temperature=a.temperature, top_p=a.top_p)
   kw = dict(sampling=cfg, max_new_tokens=a.max_new_tokens, seed=a.seed, sample_ids=sids,
             eos_ids=tok.eos_ids)
-  van, t_van = _timed(lambda: rollout.generate(config, params, batch, **kw), a.repeats)
+  van, t_van, _ = _common.timed(lambda: rollout.generate(config, params, batch, **kw),
+                                a.repeats)
   van_lens = np.asarray(van.lengths)
   rows = [{"engine": "vanilla", "budget": None, "tau": 1.0,
            "target_forwards": int(van.stats.target_forwards) + 1, "seconds": t_van,
@@ -80,8 +61,8 @@ def main(argv=None):
            "active_trace": [int((van_lens > f).sum()) for f in range(int(van_lens.max()))]}]
   for budget in a.budgets:
     spec = rollout.SpecConfig(node_budget=budget, max_nodes=a.max_nodes)
-    out, t = _timed(lambda spec=spec: rollout.generate(config, params, batch, spec=spec,
-                                                        heads=heads, **kw), a.repeats)
+    out, t, _ = _common.timed(lambda spec=spec: rollout.generate(
+        config, params, batch, spec=spec, heads=heads, **kw), a.repeats)
     same = bool((np.asarray(out.tokens) == np.asarray(van.tokens)).all()
                 and (np.asarray(out.lengths) == van_lens).all())
     st = out.stats

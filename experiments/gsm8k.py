@@ -45,14 +45,18 @@ from specroll_jax import slow_path as SP
 from specroll_jax.data import synthetic as _synthetic
 from specroll_jax.data.tasks import TASKS, Task
 from specroll_jax.grpo import GRPOConfig
-from specroll_jax.grpo.loop import Run, RunConfig, read_metrics
+from specroll_jax.grpo.loop import ROLLOUTS, Run, RunConfig, read_metrics
+from specroll_jax.kernels import CHOICES as KERNEL_CHOICES
 from specroll_jax.progress import is_terminal
 from specroll_jax.reflex import ReflexConfig
 
 
 def parse(argv):
   ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-  ap.add_argument("--model", default=None, help="local HF model folder (default: embedded model)")
+  _common.add_shared_flags(ap, out="runs/gsm8k", prompts=None, max_new_tokens=None,
+                           prompts_help="prompts per step (default: 16 synthetic, 8 gsm8k)",
+                           max_new_tokens_help="response length limit (default: 48 synthetic, "
+                                               "256 gsm8k)")
   ap.add_argument("--heads", default=None, help="heads .safetensors (default: shipped or fitted)")
   ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                   help="cast the model to this dtype (default: as stored)")
@@ -64,11 +68,6 @@ def parse(argv):
                        "to 10)")
   ap.add_argument("--steps", type=int, default=None,
                   help="GRPO steps (default: 50 synthetic, 12 gsm8k)")
-  ap.add_argument("--prompts", type=int, default=None,
-                  help="prompts per step (default: 16 synthetic, 8 gsm8k)")
-  ap.add_argument("--group", type=int, default=8, help="responses per prompt (G)")
-  ap.add_argument("--max-new-tokens", type=int, default=None,
-                  help="response length limit (default: 48 synthetic, 256 gsm8k)")
   ap.add_argument("--eval-prompts", type=int, default=256,
                   help="held-out test problems for the accuracy before and after (greedy and "
                        "sampled)")
@@ -90,15 +89,11 @@ def parse(argv):
   ap.add_argument("--budget", default="goodput", choices=["goodput", "fixed"],
                   help="goodput: node counts per bucket from this machine's measured cost and the "
                        "measured acceptance; fixed: the --spec preset's budget")
-  ap.add_argument("--rollout", default="specroll", choices=["specroll", "static-heads", "vanilla"])
-  ap.add_argument("--slow-path", default="degradation",
-                  choices=["degradation", "scheduled", "every_batch", "off"])
+  ap.add_argument("--rollout", default="specroll", choices=list(ROLLOUTS))
+  ap.add_argument("--slow-path", default="degradation", choices=list(SP.MODES))
   ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
   ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
-  ap.add_argument("--kernels", default="auto",
-                  choices=["auto", "reference", "pallas", "pallas_interpret"])
-  ap.add_argument("--seed", type=int, default=0)
-  ap.add_argument("--out", default="runs/gsm8k")
+  ap.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES))
   ap.add_argument("--resume", action="store_true", help="continue the run in --out")
   ap.add_argument("--coordinator", default=None, metavar="HOST:PORT",
                   help="several processes: process 0's address (with --num-processes, "
