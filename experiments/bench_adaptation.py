@@ -571,8 +571,8 @@ def main(argv=None):
       rec.append({"batch": b, "policy_step": policies.steps[b], "tau": st.tokens_per_forward,
                   "depth1": None if not np.isfinite(acc[0]) else float(acc[0]),
                   "acceptance": _nan_to_none(acc), "same": same,
-                  "forwards": int(st.target_forwards) + 1, "seconds": sec - in_gen,
-                  "ms_per_forward": 1e3 * (sec - in_gen) / (int(st.target_forwards) + 1),
+                  "forwards": st.forwards, "seconds": sec - in_gen,
+                  "ms_per_forward": 1e3 * (sec - in_gen) / (st.forwards),
                   "adaptation_seconds": host + host_before, "compile_seconds": comp, **info})
     results[arm] = rec
     if isinstance(runner, AdaptArm) and runner.heads is not None:

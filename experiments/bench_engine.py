@@ -109,7 +109,7 @@ def worker(job: dict) -> dict:
     st = out.stats
     sec = float(np.median(times))
     res = {"seconds": sec, "compile_seconds": first - sec,
-           "forwards": int(st.target_forwards) + 1, "tau": st.tokens_per_forward,
+           "forwards": st.forwards, "tau": st.tokens_per_forward,
            "tokens": int(st.tokens), "head_acceptance": np.asarray(st.head_acceptance).tolist(),
            "token_hash": int(np.asarray(out.tokens, np.int64).sum() * 7919
                              + np.asarray(out.lengths, np.int64).sum())}

@@ -56,7 +56,7 @@ def main(argv=None):
                                 a.repeats)
   van_lens = np.asarray(van.lengths)
   rows = [{"engine": "vanilla", "budget": None, "tau": 1.0,
-           "target_forwards": int(van.stats.target_forwards) + 1, "seconds": t_van,
+           "forwards": van.stats.forwards, "seconds": t_van,
            "speedup": 1.0, "identical": True, "tokens": int(van_lens.sum()),
            "active_trace": [int((van_lens > f).sum()) for f in range(int(van_lens.max()))]}]
   for budget in a.budgets:
@@ -71,14 +71,14 @@ def main(argv=None):
     for _ in range(2):
       prof = rollout.generate(config, params, batch, spec=spec, heads=heads, profile=True, **kw)
     rows.append({"engine": "speculative", "budget": budget, "tau": st.tokens_per_forward,
-                 "target_forwards": int(st.target_forwards) + 1, "seconds": t,
+                 "forwards": st.forwards, "seconds": t,
                  "speedup": t_van / t, "identical": same, "tokens": int(st.tokens),
                  "head_acceptance": st.head_acceptance.tolist(),
                  "nodes_verified": int(st.nodes_verified),
                  "buckets": [list(b) for b in prof.stats.bucket_times],
                  "active_trace": np.asarray(st.active_trace).tolist()})
   for r in rows:  # cost per batched target forward, and the tau at which speculation breaks even
-    r["ms_per_forward"] = 1e3 * r["seconds"] / r["target_forwards"]
+    r["ms_per_forward"] = 1e3 * r["seconds"] / r["forwards"]
     r["break_even_tau"] = r["ms_per_forward"] / rows[0]["ms_per_forward"] * rows[0]["tau"]
   _print(rows, a)
   out_path = Path(a.out)
@@ -104,7 +104,7 @@ def _print(rows, a):
     acc = " ".join(f"{x:.2f}" for x in r.get("head_acceptance", []))
     bk = " ".join(f"({b[0]},{b[1]},{b[2]},{b[3]:.2f})" for b in r.get("buckets", []))
     budget = "-" if r["budget"] is None else str(r["budget"])
-    t.add_row(r["engine"], budget, f"{r['tau']:.2f}", str(r["target_forwards"]),
+    t.add_row(r["engine"], budget, f"{r['tau']:.2f}", str(r["forwards"]),
               f"{r['seconds']:.2f}", f"{r['speedup']:.2f}x", f"{r['ms_per_forward']:.2f}",
               f"{r['break_even_tau']:.2f}", str(r["identical"]), acc, bk)
   Console(width=200).print(t)

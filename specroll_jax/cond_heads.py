@@ -41,10 +41,10 @@ KIND = "root-conditioned"
 class CondHeads:
   norm_h: Float[Array, "K D"]  # RMSNorm scale of the anchor hidden state, per head
   norm_e: Float[Array, "K D"]  # RMSNorm scale of the context token embeddings, per head
-  w_h: Float[Array, "K D F"]
-  w_e: Float[Array, "K K D F"]  # [head, context slot j (0 = root), D, F]; slots j >= k unused
-  b: Float[Array, "K F"]
-  w_o: Float[Array, "K F D"]
+  w_h: Float[Array, "K D Dff"]
+  w_e: Float[Array, "K K D Dff"]  # [head, context slot j (0 = root), D, Dff]; slots j >= k unused
+  b: Float[Array, "K Dff"]
+  w_o: Float[Array, "K Dff D"]
   vocab_size: int = flax.struct.field(pytree_node=False)
 
   @property
@@ -62,7 +62,7 @@ class CondHeads:
 
 def init(key, config: ModelConfig, num_heads: int = 3, *, width: int | None = None,
          scale: float | None = None) -> CondHeads:
-  """K heads for ``config`` with MLP width F (default 2 D). Input weights ~ N(0, scale^2)
+  """K heads for ``config`` with MLP width Dff (default 2 D). Input weights ~ N(0, scale^2)
   (default 1/sqrt(D)); the output weights start at zero (each head starts as the identity)."""
   if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
     raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")

@@ -7,6 +7,9 @@ sampling temperature) with the mass outside it, the committed token, the tree's 
 depth and the sparse total variation between the (corrected) head and the target. Everything comes
 from verify forwards: no extra target forward (docs/design.md, "Slow path").
 
+Dimensions (besides the legend): C records per head, S support ids per record, Kc candidates per
+record, Kp path slots, Cn new records in one write.
+
 ``Records`` is a bounded buffer per head (every leaf [K, C, ...]): a ring indexed by
 ``count[k] % C``, so the newest records overwrite the oldest (recent first). Static shapes; the
 same type serves as the per-rollout buffer inside the decode loop and as the slow path's
@@ -65,7 +68,7 @@ def empty(num_heads: int, capacity: int, hidden_size: int, support: int,
                  path=i(path) if path else None)
 
 
-def write(buf: Records, new: Records, mask: Bool[Array, "K N"]) -> Records:
+def write(buf: Records, new: Records, mask: Bool[Array, "K Cn"]) -> Records:
   """Append the entries of ``new`` (leaves [K, N, ...]) where ``mask`` to ``buf``, per head, in
   order of N; when more than the capacity arrive, the last ones win (recent first)."""
   c = buf.capacity

@@ -35,6 +35,12 @@ class RolloutStats:
   #   (rows, N, forwards, seconds) per bucket, measured from the host
 
   @property
+  def forwards(self) -> int:
+    """Target forwards of the rollout including the prefill: ``target_forwards + 1`` (what every
+    report and metrics line calls "forwards")."""
+    return int(self.target_forwards) + 1
+
+  @property
   def tokens_per_forward(self) -> float:
     """tau: committed tokens per row-forward (1.0 for vanilla)."""
     return float(self.tokens) / max(int(self.row_forwards), 1)

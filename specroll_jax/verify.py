@@ -28,7 +28,7 @@ class VerifyResult:
   nonfinite: Bool[Array, "R D1"]  # the logits that sampled token j held NaN/inf
   path: Int[Array, "R D1"]  # node index of the accepted path at each depth
   path_len: Int[Array, " R"]  # D + 1
-  hidden: Float[Array, "R D1 Dm"]  # pre-norm hidden at each path node (anchor of token j)
+  hidden: Float[Array, "R D1 D"]  # pre-norm hidden at each path node (anchor of token j)
   k_path: Float[Array, "Ly R D1 Hkv Dh"]  # K/V of the path nodes, to commit at L + j
   v_path: Float[Array, "Ly R D1 Hkv Dh"]
   target_tokens: Int[Array, "R N1"]  # the target's sample at every node (for adaptation)

@@ -301,7 +301,7 @@ class Run:
         "step": k, "rollout": run.rollout, "reward_mean": float(rewards.mean()),
         "accuracy": float(correct.mean()), "pass_at_group": float((grouped > 0).any(1).mean()),
         "groups_mixed": int((rewards.reshape(-1, g).std(1) > 0).sum()),
-        "tau": st.tokens_per_forward, "target_forwards": int(st.target_forwards) + 1,
+        "tau": st.tokens_per_forward, "forwards": st.forwards,
         "response_tokens": int(out_lens.sum()), "mean_length": float(out_lens.mean()),
         "eos_rate": float((out_lens < run.max_new_tokens).mean()),
         "loss": float(m.loss), "ratio_mean": float(m.ratio_mean),

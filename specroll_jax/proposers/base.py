@@ -95,7 +95,7 @@ class Feedback:
   keep: Bool[Array, "R D1"]
   position: Int[Array, " R"]  # L, the root's position (tokens[:, j] sits at L + 1 + j)
   hidden: Float[Array, "R D"]  # the hidden state the tree was proposed from (anchor of the root)
-  path_hidden: Float[Array, "R D1 Dm"]  # pre-norm hidden at each path node (anchor of tokens[j])
+  path_hidden: Float[Array, "R D1 D"]  # pre-norm hidden at each path node (anchor of tokens[j])
   active: Bool[Array, " R"]  # the row took part in this step
   done: Bool[Array, " R"]  # the row is finished after this step
   row: Int[Array, " R"]

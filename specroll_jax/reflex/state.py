@@ -23,13 +23,14 @@ class ReflexGlobal:
 
 @flax.struct.dataclass
 class FastState:
-  """Fast state and alignment statistics per (row or group, head): leaves [N, K, ...]."""
+  """Fast state and alignment statistics per (row or group, head): leaves [Rg, K, ...] (Rg: rows,
+  or groups when rows share a state)."""
 
-  m: Float[Array, "N K D"]
-  count: Float[Array, "N K"]  # alignment observations (Welford n)
-  mean: Float[Array, "N K"]  # running mean of the sketch cosines
-  m2: Float[Array, "N K"]  # running sum of squared deviations
-  severity: Float[Array, "N K"]  # accumulated severity of matured records
+  m: Float[Array, "Rg K D"]
+  count: Float[Array, "Rg K"]  # alignment observations (Welford n)
+  mean: Float[Array, "Rg K"]  # running mean of the sketch cosines
+  m2: Float[Array, "Rg K"]  # running sum of squared deviations
+  severity: Float[Array, "Rg K"]  # accumulated severity of matured records
 
 
 @flax.struct.dataclass
@@ -41,7 +42,7 @@ class Pending:
   hidden: Float[Array, "R K S D"]  # anchor hidden state (the heads' input)
   head: Float[Array, "R K S D"]  # corrected head output h_k' (pre final norm)
   correction: Float[Array, "R K S D"]
-  qtop: Int[Array, "R K S T"]  # top ids of the corrected head's logits
+  qtop: Int[Array, "R K S Tq"]  # top ids of the corrected head's logits
   cand: Int[Array, "R K S C"]  # the tree's candidates at depth k (-1 = none)
   corr_top: Int[Array, "R K S C"]  # corrected head's top-k_k (counterfactual), -1 padded
   raw_top: Int[Array, "R K S C"]  # raw head's top-k_k (counterfactual), -1 padded
