@@ -40,4 +40,12 @@ def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
           "accuracy_flexible": flexible / len(exs)}
 
 
-__all__ = ["accuracy"]
+def gsm8k_accuracy(config, params, tok, *, n: int = 64, max_new_tokens: int = 192,
+                   batch_size: int = 32) -> dict:
+  """Greedy GSM8K test accuracy (strict '#### N' and flexible last-number) on the first n."""
+  from specroll_jax.data import gsm8k
+  return accuracy(config, params, tok, gsm8k.load("test")[:n], max_new_tokens=max_new_tokens,
+                  batch_size=batch_size)
+
+
+__all__ = ["accuracy", "gsm8k_accuracy"]

@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from specroll_jax import cache as _cache
 from specroll_jax import heads as _heads
 from specroll_jax import models, rollout, sft
 from specroll_jax.data import gsm8k
@@ -89,7 +90,7 @@ def self_rollouts(config, params, tok: Tokenizer, *, num_prompts: int, max_new_t
 
 def _heads_cache_file(kind: str, model_path, *settings) -> Path:
   key = json.dumps([str(Path(model_path).resolve()), *settings])
-  return sft.default_cache_dir() / "heads" / (
+  return _cache.cache_dir() / "heads" / (
       f"{kind}-{hashlib.sha1(key.encode()).hexdigest()[:12]}.safetensors")
 
 
@@ -98,7 +99,7 @@ def fitted_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int =
                  steps: int = 600, seed: int = 1234, progress: bool = True, cache: bool = True):
   """Medusa heads fitted by self-distillation on the target's own rollouts of GSM8K *train*
   prompts; cached as ``heads-<hash>.safetensors`` in the cache folder
-  (``sft.default_cache_dir()``), keyed by the model folder and these settings."""
+  (``cache.cache_dir()``), keyed by the model folder and these settings."""
   file = _heads_cache_file("heads", model_path, num_heads, num_prompts, max_new_tokens,
                            temperature, steps, seed)
   if cache and file.exists():

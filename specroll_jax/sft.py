@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specroll_jax import models
+from specroll_jax import evaluation, models
+from specroll_jax.cache import cache_dir
 from specroll_jax.data import gsm8k
 from specroll_jax.models.tokenizer import Tokenizer, train_bpe
 from specroll_jax.progress import progress_range
@@ -150,17 +151,9 @@ def test_loss(config, params, tok: Tokenizer, seq_len: int, n: int = 256) -> flo
   return float(np.mean(vals))
 
 
-def evaluate_accuracy(config, params, tok: Tokenizer, *, n: int = 64, max_new_tokens: int = 192,
-                      batch_size: int = 32) -> dict:
-  """Greedy GSM8K test accuracy (strict '#### N' and flexible last-number) on the first n
-  (``evaluation.accuracy`` on GSM8K test)."""
-  from specroll_jax import evaluation
-  return evaluation.accuracy(config, params, tok, gsm8k.load("test")[:n],
-                             max_new_tokens=max_new_tokens, batch_size=batch_size)
-
-
 def default_cache_dir() -> Path:
-  return Path(os.environ.get("SPECROLL_CACHE", Path.home() / ".cache" / "specroll_jax"))
+  """Deprecated alias of ``specroll_jax.cache.cache_dir``."""
+  return cache_dir()
 
 
 def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
@@ -193,7 +186,7 @@ def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
   metrics = json.loads((path / "metrics.json").read_text())
   if eval_examples and "accuracy_strict" not in metrics:
     config, params = models.load_pretrained(path)
-    metrics.update(evaluate_accuracy(config, params, Tokenizer.from_pretrained(path),
+    metrics.update(evaluation.gsm8k_accuracy(config, params, Tokenizer.from_pretrained(path),
                                      n=eval_examples))
     _write_json_atomic(path / "metrics.json", metrics)
   return path
@@ -208,7 +201,7 @@ def _write_json_atomic(file: Path, obj) -> None:
 def build_default_model(*, progress: bool = True, max_seconds: float = 360.0) -> Path:
   """The embedded default model of ``experiments/gsm8k.py`` (cached after the first build)."""
   sft = SFTConfig(max_seconds=max_seconds, steps=None, learning_rate=5e-3)
-  return build_model(default_cache_dir() / "gsm8k-tiny-qwen2-v2",
+  return build_model(cache_dir() / "gsm8k-tiny-qwen2-v2",
                      models.ModelConfig.embedded_default, sft, progress=progress)
 
 
