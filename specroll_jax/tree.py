@@ -22,6 +22,10 @@ target's own sample at the parent.
 
 Priority order: the builders keep nodes in an order where dropping valid nodes from the end keeps
 the tree prefix-closed (a node's children come after it). ``merge_chain`` relies on it.
+
+Why one module of ~500 lines: ``Tree``'s rules, the builders that keep them (``plan``, ``chain``,
+``merge_chain``, ``select``), ``sanitize`` that restores them and ``accept`` that relies on them
+are one contract; split apart, each half would restate the other's invariants.
 """
 
 from __future__ import annotations
