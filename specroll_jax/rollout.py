@@ -242,6 +242,18 @@ def resolve_proposer(spec: SpecConfig | None, heads, proposer: Proposer | None,
   return None, None, None
 
 
+def check_adaptation(adaptation, *, heads=None, proposer=None, proposer_params=None) -> None:
+  """ValueError unless ``adaptation`` is an ``adaptation.AdaptationState`` given without another
+  way to choose the proposer (it brings its own)."""
+  from specroll_jax import adaptation as _adapt
+  if not isinstance(adaptation, _adapt.AdaptationState):
+    raise ValueError(f"adaptation must be an adaptation.AdaptationState, got "
+                     f"{type(adaptation).__name__}")
+  if heads is not None or proposer is not None or proposer_params is not None:
+    raise ValueError("adaptation= brings its own proposer; do not pass heads=, proposer= or "
+                     "proposer_params= with it")
+
+
 def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig = _DEFAULT_SAMPLING,
              max_new_tokens: int, seed: int = 0, sample_ids=None, eos_ids=None,
              prompt_lengths=None, cache_length: int | None = None, pad_id: int = 0,
@@ -284,12 +296,7 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   kern = Kernels.resolve(kernels)
   if adaptation is not None:
     from specroll_jax import adaptation as _adapt
-    if not isinstance(adaptation, _adapt.AdaptationState):
-      raise ValueError(f"adaptation must be an adaptation.AdaptationState, got "
-                       f"{type(adaptation).__name__}")
-    if heads is not None or proposer is not None or proposer_params is not None:
-      raise ValueError("adaptation= brings its own proposer; do not pass heads=, proposer= or "
-                       "proposer_params= with it")
+    check_adaptation(adaptation, heads=heads, proposer=proposer, proposer_params=proposer_params)
     want = adaptation.config.for_sampling(sampling).slow.temperature
     if adaptation.config.slow.mode != "off" and adaptation.config.slow.temperature != want:
       raise ValueError(

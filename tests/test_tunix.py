@@ -1,0 +1,377 @@
+"""SpecRollRollout inside google/tunix: tunix's own Qwen2 / Llama3 modules with random weights, our
+engines decoding them, and tunix's GRPOLearner training with our backend (CPU, tiny shapes).
+
+Skipped unless tunix is installed (the ``tunix`` extra: ``.venv-tunix``)."""
+
+import dataclasses
+import functools
+import re
+
+import numpy as np
+import pytest
+
+tunix = pytest.importorskip("tunix")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import Mesh  # noqa: E402
+from tunix.models.llama3 import model as llama3  # noqa: E402
+from tunix.models.qwen2 import model as qwen2  # noqa: E402
+from tunix.rl import rl_cluster as rlc  # noqa: E402
+from tunix.rl.grpo import grpo_learner  # noqa: E402
+from tunix.rl.rollout import base_rollout  # noqa: E402
+
+from specroll_jax import adaptation, heads  # noqa: E402
+from specroll_jax.grpo import trainer_logprobs  # noqa: E402
+from specroll_jax.integrations import tunix as sr  # noqa: E402
+from specroll_jax.models import decoder  # noqa: E402
+from specroll_jax.proposers import PromptLookup  # noqa: E402
+from specroll_jax.sampling import SamplingConfig  # noqa: E402
+
+V = 64
+PAD, BOS, EOS = 0, 1, 2
+ATOL = 1e-4  # f32, logits/logprobs through different forward shapes (TOOLCHAIN.md "Float rounding")
+# one rollout config for every decode (one compile per engine): sampled, with top-k and top-p
+RC = base_rollout.RolloutConfig(max_tokens_to_generate=12, max_prompt_length=16, temperature=0.9,
+                                top_p=0.95, top_k=20, seed=3)
+PROMPTS = ["hello world", "hello world", "abc", "abc"]  # tunix's layout: G = 2 copies, prompt-major
+PROMPTS_2 = ["good day", "good day", "xyz q", "xyz q"]
+
+
+class CharTokenizer:
+  """A tokenizer with tunix's plain interface: characters to ids 3.., 0 pad, 1 BOS, 2 EOS."""
+
+  def __init__(self, vocab_size: int = V):
+    self.vocab_size = vocab_size
+
+  def encode(self, text):
+    return [3 + ord(c) % (self.vocab_size - 3) for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(97 + (i - 3) % 26) for i in ids if i >= 3)
+
+  def bos_id(self):
+    return BOS
+
+  def eos_id(self):
+    return EOS
+
+  def pad_id(self):
+    return PAD
+
+
+def _randomize(model, seed: int):
+  """Every Param redrawn (tunix initialises zero biases, unit norms and zero MLP kernels, which
+  would hide a mapping bug): norms 1 + 0.2 N(0, 1), everything else 0.3 N(0, 1)."""
+  state = nnx.state(model, nnx.Param)
+  pure = nnx.to_pure_dict(state)
+  keys = iter(jax.random.split(jax.random.key(seed), len(jax.tree.leaves(pure))))
+
+  def draw(path, a):
+    norm = any("norm" in str(getattr(k, "key", k)) for k in path)
+    return (1.0 if norm else 0.0) + (0.2 if norm else 0.3) * jax.random.normal(
+        next(keys), a.shape, a.dtype)
+
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(draw, pure))
+  nnx.update(model, state)
+  return model
+
+
+def _qwen2(seed: int = 1, tied: bool = False):
+  cfg = qwen2.ModelConfig(num_layers=2, vocab_size=V, embed_dim=32, hidden_dim=64, num_heads=4,
+                          head_dim=8, num_kv_heads=2, rope_theta=10000, norm_eps=1e-6,
+                          use_tied_embedding=tied)
+  return _randomize(qwen2.Qwen2(cfg, rngs=nnx.Rngs(0)), seed)
+
+
+def _llama3(seed: int = 2):
+  cfg = llama3.ModelConfig(num_layers=2, vocab_size=V, embed_dim=32, hidden_dim=64, num_heads=4,
+                           head_dim=8, num_kv_heads=2, rope_theta=500000, norm_eps=1e-5,
+                           weight_tying=True)
+  return _randomize(llama3.Llama3(cfg, rngs=nnx.Rngs(0)), seed)
+
+
+def _backend(model, **kw):
+  return sr.SpecRollRollout(rollout_actor=model, tokenizer=CharTokenizer(),
+                            rollout_config=kw.pop("rollout_config", RC), **kw)
+
+
+def _params(model) -> dict:
+  """A snapshot of the model's Params (copies: tunix's trainer donates its buffers)."""
+  return jax.tree.map(jnp.copy, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def _state(model, pure: dict):
+  state = nnx.state(model, nnx.Param)
+  nnx.replace_by_pure_dict(state, pure)
+  return state
+
+
+def _same(outs_a, outs_b) -> bool:
+  return all(len(a) == len(b) and (a == b).all() for a, b in zip(outs_a, outs_b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def model():
+  return _qwen2()
+
+
+@pytest.fixture(scope="module")
+def vanilla(model):
+  """(backend, [output of PROMPTS, output of PROMPTS_2]): two calls, sample ids 0..3 then 4..7."""
+  b = _backend(model, num_generations=2)
+  return b, [b.generate(PROMPTS, RC), b.generate(PROMPTS_2, RC)]
+
+
+# --- (1) the mapping --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build", [_qwen2, functools.partial(_qwen2, tied=True), _llama3],
+                         ids=["qwen2", "qwen2-tied", "llama3"])
+def test_logits_equal_tunix_model(build):
+  m = build()
+  config = sr.model_config_from_tunix(m)
+  src = sr.tunix_source(config, m)
+  # no copy: the source holds the model's own arrays
+  assert src["embed"] is m.embedder.input_embedding.get_value()
+  assert src["layers"][1]["q"] is m.layers[1].attn.q_proj.w.get_value()
+  assert src["layers"][0]["gate"] is m.layers[0].mlp.gate_proj.kernel.get_value()
+  b, t = 3, 11
+  toks = jax.random.randint(jax.random.key(7), (b, t), 0, V)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  theirs, _ = m(toks, pos, None, mask)
+  ours = decoder.forward(config, sr.params_from_tunix(config, src), toks, kernels="reference")
+  assert float(jnp.std(theirs)) > 0.5  # not a degenerate model
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=ATOL, rtol=0)
+
+
+def test_sampling_settings_read_as_tunix_reads_them():
+  read = sr.sampling_from_rollout_config
+  assert read(RC) == SamplingConfig(temperature=0.9, top_k=20, top_p=0.95)
+  assert read(dataclasses.replace(RC, top_p=None)).greedy  # tunix: no top_p is greedy
+  assert read(dataclasses.replace(RC, temperature=0.0)).greedy
+  for off in (None, 0, -1):
+    assert read(dataclasses.replace(RC, top_k=off)).top_k == 0
+
+
+# --- (2) speculation changes nothing ------------------------------------------------------------
+
+
+def test_speculative_returns_vanilla_tokens(model, vanilla):
+  _, ref = vanilla
+  lookup = _backend(model, proposer=PromptLookup(), proposer_params=(), num_generations=2)
+  sampling = sr.sampling_from_rollout_config(RC)
+  state = adaptation.init(adaptation.AdaptationConfig().for_sampling(sampling),
+                          heads.init(jax.random.key(4), lookup.config, 3, scale=0.05))
+  reflex = _backend(model, adaptation=state, num_generations=2)
+  for b in (lookup, reflex):
+    outs = [b.generate(PROMPTS, RC), b.generate(PROMPTS_2, RC)]
+    assert int(b.last_rollout.stats.nodes_verified) > 0  # trees were verified: not vanilla
+    for got, want in zip(outs, ref, strict=True):
+      assert _same(got.tokens, want.tokens)
+      for a, c in zip(got.logprobs, want.logprobs, strict=True):
+        np.testing.assert_allclose(a, c, atol=ATOL, rtol=0)
+  assert int(reflex.adaptation.batches) == 2  # the Reflex/slow-path state was carried over calls
+  assert "reflex" in reflex.adaptation_report
+
+
+# --- sample ids, seeds and outputs --------------------------------------------------------------
+
+
+def test_group_layout_sample_ids_and_seed(model, vanilla):
+  b, (out, _) = vanilla
+  # a group's members differ; responses do not depend on how the batch is split into calls
+  assert not _same(out.tokens[:1], out.tokens[1:2]) and not _same(out.tokens[2:3], out.tokens[3:])
+  split = _backend(model, num_generations=2)
+  halves = split.generate(PROMPTS[:2], RC).tokens + split.generate(PROMPTS[2:], RC).tokens
+  assert _same(halves, out.tokens)
+  assert split.last_sample_ids.tolist() == [2, 3]
+  # a raw jax key seed reads as its integer; another seed gives other responses
+  again = _backend(model)
+  keyed = again.generate(PROMPTS, dataclasses.replace(RC, seed=jax.random.PRNGKey(3)))
+  assert _same(keyed.tokens, out.tokens)
+  again.next_sample_id = 0
+  other = again.generate(PROMPTS, dataclasses.replace(RC, seed=4))
+  assert not _same(other.tokens, out.tokens)
+  with pytest.raises(ValueError, match="not 2 copies of one prompt"):
+    split.generate(["a", "b", "c", "c"], RC)
+  with pytest.raises(ValueError, match="3 prompts is not a multiple of num_generations=2"):
+    split.generate(["a", "a", "b"], RC)
+
+
+def test_output_follows_tunix_conventions(model, vanilla):
+  b, (out, _) = vanilla
+  tok = CharTokenizer()
+  left = out.left_padded_prompt_tokens
+  assert left.shape == (4, RC.max_prompt_length)
+  for i, p in enumerate(PROMPTS):
+    ids = [BOS] + tok.encode(p)
+    assert left[i, -len(ids):].tolist() == ids and (left[i, : -len(ids)] == PAD).all()
+  ended = [t for t in out.tokens if len(t) < RC.max_tokens_to_generate]
+  assert all(t[-1] == EOS and (t[:-1] != EOS).all() for t in ended)  # the EOS is kept
+  assert out.text == [tok.decode(t.tolist()) for t in out.tokens]
+  cut = _backend(model, keep_eos=False).generate(PROMPTS, RC)
+  assert _same(cut.tokens, [t[:-1] if t[-1] == EOS else t for t in out.tokens])
+
+
+# --- (4) rollout logprobs == trainer logprobs == get_per_token_logps -----------------------------
+
+
+def test_logprobs_equal_trainer_and_per_token_logps(model, vanilla):
+  b, (out, _) = vanilla
+  m = RC.max_tokens_to_generate
+  lens = np.array([len(t) for t in out.tokens])
+  comp = np.stack([np.pad(t, (0, m - len(t)), constant_values=PAD) for t in out.tokens])
+  rollout_lp = np.stack([np.pad(x, (0, m - len(x))) for x in out.logprobs])
+  live = np.arange(m)[None] < lens[:, None]
+  assert (rollout_lp[live] <= 0).all() and (rollout_lp[live] < -0.5).any()
+  # our trainer's teacher-forced logprobs, prompts right-padded here (independently of the
+  # engine's own conversion)
+  left = out.left_padded_prompt_tokens
+  plens = (left != PAD).sum(axis=1)
+  right = np.zeros_like(left)
+  for i, n in enumerate(plens):
+    right[i, :n] = left[i, left.shape[1] - n:]
+  sampling = sr.sampling_from_rollout_config(RC)
+  params = sr.params_from_tunix(b.config, sr.tunix_source(b.config, model))
+  trainer = trainer_logprobs(b.config, params, jnp.asarray(right), jnp.asarray(plens),
+                             jnp.asarray(comp), jnp.asarray(lens), sampling).logprobs
+  np.testing.assert_allclose(np.asarray(trainer), rollout_lp, atol=ATOL, rtol=0)
+  # tunix's call (left-padded prompts, pad-padded completions), with and without a mask
+  masked = b.get_per_token_logps(jnp.asarray(left), jnp.asarray(comp), jnp.asarray(live))
+  np.testing.assert_allclose(np.asarray(masked), rollout_lp, atol=ATOL, rtol=0)
+  plain = np.asarray(b.get_per_token_logps(jnp.asarray(left), jnp.asarray(comp)))
+  tunix_mask = comp != PAD  # what tunix's GRPO loss keeps
+  np.testing.assert_allclose(plain[tunix_mask], rollout_lp[tunix_mask], atol=ATOL, rtol=0)
+
+
+# --- update_params ------------------------------------------------------------------------------
+
+
+def test_update_params_changes_what_we_decode(vanilla):
+  _, (want_a, _) = vanilla  # decoded from _qwen2(seed=1)
+  other = _qwen2(seed=5)
+  want_b = _backend(other).generate(PROMPTS, RC)
+  target = _qwen2(seed=1)
+  b = _backend(target)
+  assert _same(b.generate(PROMPTS, RC).tokens, want_a.tokens)
+  b.update_params(nnx.state(other, nnx.Param), (nnx.Param,))
+  assert b.model().layers[0].attn.q_proj.w.get_value() is other.layers[0].attn.q_proj.w.get_value()
+  b.next_sample_id = 0
+  got = b.generate(PROMPTS, RC)
+  assert _same(got.tokens, want_b.tokens) and not _same(got.tokens, want_a.tokens)
+  bad = nnx.to_pure_dict(nnx.state(other, nnx.Param))
+  bad["layers"][1]["mlp"]["up_proj"]["kernel"] = jnp.zeros((32, 65))
+  with pytest.raises(ValueError, match=re.escape("layers.1.mlp.up_proj.kernel has shape (32, 65), "
+                                                 "expected (32, 64)")):
+    b.update_params(bad)
+
+
+# --- (3) tunix's GRPOLearner with our backend ---------------------------------------------------
+
+
+class _Recording(sr.SpecRollRollout):
+  """Records each generate call: the prompts, the Params it decoded with, tokens and sample ids."""
+
+  calls: list = []
+
+  def generate(self, prompts, rollout_config, **kw):
+    params = _params(self.model())
+    out = super().generate(prompts, rollout_config, **kw)
+    _Recording.calls.append((list(prompts), params, out.tokens, self.last_sample_ids.tolist()))
+    return out
+
+
+def test_grpo_learner_trains_with_our_rollout():
+  actor = _qwen2(seed=1)
+  initial = _params(actor)
+  _Recording.calls = []
+  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  config = rlc.ClusterConfig(
+      role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
+      rollout_engine=functools.partial(_Recording, proposer=PromptLookup(), proposer_params=(),
+                                       num_generations=2),
+      offload_to_cpu=False,
+      training_config=rlc.RLTrainingConfig(actor_optimizer=optax.sgd(1.0), eval_every_n_steps=100,
+                                           max_steps=2),
+      rollout_config=RC)
+  cluster = rlc.RLCluster(actor=actor, reference=None, tokenizer=CharTokenizer(),
+                          cluster_config=config)
+  assert isinstance(cluster.rollout, sr.SpecRollRollout)
+
+  def reward(prompts, completions, **kw):  # varies within a group: non-zero advantages
+    return [float(sum(c.count(x) for x in "aeiou")) + 0.1 * len(c) for c in completions]
+
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=reward,
+      algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.0))
+  # tunix shares the trainer's module with a custom engine and then never calls update_params:
+  # the rollout must follow the module itself
+  assert cluster.rollout.model() is cluster.actor_trainer.model and not learner.should_sync_weights
+  data = [{"prompts": np.array(PROMPTS[::2])}, {"prompts": np.array(PROMPTS_2[::2])},
+          {"prompts": np.array(["unused", "unused too"])}]
+  learner.train(data)
+
+  calls = _Recording.calls
+  assert len(calls) == 2
+  assert [c[0] for c in calls] == [PROMPTS, PROMPTS_2]  # tunix's layout: each prompt G times
+  assert [c[3] for c in calls] == [[0, 1, 2, 3], [4, 5, 6, 7]]  # group_sample_ids(prompt, G)
+  moved = lambda a, b: max(jax.tree.leaves(jax.tree.map(lambda x, y: float(jnp.abs(x - y).max()),
+                                                        a, b)))
+  assert moved(initial, calls[0][1]) == 0.0  # step 1 decoded the initial policy
+  assert moved(calls[0][1], calls[1][1]) > 0.0  # the trainer updated the shared module
+  # the second step's tokens are the updated policy's, not the initial one's
+  probe = _backend(_qwen2(seed=9), num_generations=2)
+  for params, same in ((calls[1][1], True), (calls[0][1], False)):
+    probe.update_params(_state(probe.model(), params))
+    probe.next_sample_id = 4
+    assert _same(probe.generate(PROMPTS_2, RC).tokens, calls[1][2]) == same
+
+
+# --- (5) bad input ------------------------------------------------------------------------------
+
+
+def test_unmappable_model_and_tokenizer_are_refused(model):
+  with pytest.raises(ValueError, match=r"cannot map flax\.nnx.*Linear onto specroll_jax's "
+                                       r"decoder; supported model families: .*Qwen2.*Llama3"):
+    _backend(nnx.Linear(4, 4, rngs=nnx.Rngs(0)))
+  with pytest.raises(ValueError, match="tokenizer vocabulary size 72 exceeds the model's "
+                                       "vocab_size 64"):
+    sr.SpecRollRollout(rollout_actor=model, tokenizer=CharTokenizer(V + 8), rollout_config=RC)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", -0.5, "RolloutConfig.temperature=-0.5 is outside our limits: a finite "
+                          "number >= 0"),
+    ("temperature", float("nan"), "RolloutConfig.temperature=nan is outside our limits"),
+    ("top_p", 1.5, "RolloutConfig.top_p=1.5 is outside our limits: None (greedy) or in (0, 1]"),
+    ("top_k", -3, "RolloutConfig.top_k=-3 is outside our limits"),
+    ("max_tokens_to_generate", 0, "RolloutConfig.max_tokens_to_generate=0 is outside our "
+                                  "limits: an int >= 1"),
+    ("max_prompt_length", 0, "RolloutConfig.max_prompt_length=0 is outside our limits"),
+    ("max_prompt_length", 32760, "RolloutConfig.max_prompt_length=32760 + "
+                                 "max_tokens_to_generate=12 = 32772 exceeds our "
+                                 "max_position_embeddings 32768"),
+    ("eos_tokens", [V], "RolloutConfig.eos_tokens=[64] is outside our limits: ids in "
+                        "[0, vocab_size=64)"),
+    ("seed", 2**32, "RolloutConfig.seed=4294967296 is outside our limits: [0, 2**32)"),
+    ("data_type", jnp.int32, "RolloutConfig.data_type=int32 is outside our limits; supported: "
+                             "['float32', 'bfloat16', 'float16']"),
+])
+def test_rollout_config_outside_limits(model, vanilla, field, value, message):
+  bad = dataclasses.replace(RC, **{field: value})
+  with pytest.raises(ValueError, match=re.escape(message)):
+    _backend(model, rollout_config=bad)
+  with pytest.raises(ValueError, match=re.escape(message)):
+    vanilla[0].generate(PROMPTS, bad)
+
+
+def test_prompt_wider_than_position_limit(model):
+  b = _backend(model, max_position_embeddings=40)  # 16 + 12 fits
+  with pytest.raises(ValueError, match=re.escape(
+      "prompt width 32 (max_prompt_length=16, longest prompt 31 tokens) + "
+      "max_tokens_to_generate=12 exceeds our max_position_embeddings 40")):
+    b.generate(["x" * 30], RC)
