@@ -138,8 +138,11 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
           f"prompts[{i}] holds token id {bad[0]} outside [0, vocab_size={config.vocab_size})")
   b = len(rows)
   toks, lens = pad_prompts(rows, fixed_width)
-  if cache_length is None:
-    cache_length = int(lens.max()) + int(max_new_tokens)
+  if cache_length is None:  # the padded width + max_new_tokens: one shape per prompt bucket (a
+    # batch whose longest prompt is shorter does not recompile), within the position limit
+    need = int(lens.max()) + int(max_new_tokens)
+    cache_length = max(need, min(toks.shape[1] + int(max_new_tokens),
+                                 config.max_position_embeddings))
   if int(lens.max()) + int(max_new_tokens) > config.max_position_embeddings:
     raise ValueError(
         f"prompt length {int(lens.max())} + max_new_tokens {max_new_tokens} = "

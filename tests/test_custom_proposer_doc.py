@@ -7,6 +7,7 @@ import dataclasses
 import re
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import pytest
 
@@ -153,13 +154,15 @@ def test_contract_violation_names_proposer_and_field(random_model, proposer, mes
 # Rules on values the engine enforces (tree.sanitize): a bad tree is slow, never wrong
 
 
+MODES = ("ok", "eye", "depth", "root", "orphan")
+
+
 @dataclasses.dataclass(frozen=True)
 class Oracle(Proposer):
-  """Proposes the vanilla continuation (its params: each row's prompt + vanilla response), then
-  breaks one rule of ``Tree`` on purpose: the proposals would be accepted, so a tree verified in
-  the wrong context would commit other tokens."""
-
-  mode: str = "ok"
+  """Proposes the vanilla continuation (params: each row's prompt + vanilla response, and which
+  rule of ``Tree`` to break, an index into MODES: traced, so every mode runs in one compiled
+  program). The proposals would be accepted, so a tree verified in the wrong context would commit
+  other tokens."""
 
   @property
   def max_depth(self):
@@ -169,20 +172,20 @@ class Oracle(Proposer):
   def capacity(self):
     return 3
 
-  def propose(self, target, seq, state, inp, *, num_nodes):
+  def propose(self, target, params, state, inp, *, num_nodes):
+    seq, mode = params
     at = jnp.clip(inp.position[:, None] + 1 + jnp.arange(3)[None], 0, seq.shape[1] - 1)
     toks = jnp.take_along_axis(seq[inp.row], at, axis=1)
     tr = T.chain(inp.root, toks, jnp.minimum(inp.budget, 3), num_nodes=num_nodes)
     eye = jnp.broadcast_to(jnp.eye(num_nodes + 1, dtype=bool), tr.mask.shape)
-    if self.mode == "eye":  # rule 2: no ancestors in the mask
-      tr = tr.replace(mask=eye)
-    elif self.mode == "depth":  # rule 3: every node at depth 1
-      tr = tr.replace(depth=jnp.minimum(tr.depth, 1))
-    elif self.mode == "root":  # rule 1: another token at the root
-      tr = tr.replace(tokens=tr.tokens.at[:, 0].set((inp.root + 1) % 256))
-    elif self.mode == "orphan":  # rule 4: a valid node under an invalid parent
-      tr = tr.replace(valid=tr.valid.at[:, 1].set(False))
-    return tr, state
+    broken = (
+        tr,
+        tr.replace(mask=eye),  # rule 2: no ancestors in the mask
+        tr.replace(depth=jnp.minimum(tr.depth, 1)),  # rule 3: every node at depth 1
+        tr.replace(tokens=tr.tokens.at[:, 0].set((inp.root + 1) % 256)),  # rule 1: another root
+        tr.replace(valid=tr.valid.at[:, 1].set(False)),  # rule 4: a valid node, invalid parent
+    )
+    return jax.tree.map(lambda *xs: jnp.stack(xs)[mode], *broken), state
 
 
 def test_trees_breaking_the_rules_still_give_the_vanilla_tokens(random_model):
@@ -196,9 +199,9 @@ def test_trees_breaking_the_rules_still_give_the_vanilla_tokens(random_model):
     full = p + np.asarray(ref.tokens)[i, : int(ref.lengths[i])].tolist()
     seq[i, : len(full)] = full
   taus = {}
-  for mode in ("ok", "eye", "depth", "root", "orphan"):
-    got = rollout.generate(config, params, prompts, proposer=Oracle(mode),
-                           proposer_params=jnp.asarray(seq),
+  for i, mode in enumerate(MODES):
+    got = rollout.generate(config, params, prompts, proposer=Oracle(),
+                           proposer_params=(jnp.asarray(seq), jnp.int32(i)),
                            spec=SpecConfig(node_budget=12, bucket_fractions=(1.0,)), **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens), err_msg=mode)
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths), err_msg=mode)

@@ -51,11 +51,11 @@ def test_engine_inside_a_user_jit_and_one_compile_per_equal_engine(setup):
   config, params, heads, batch, van, spec, ref = setup
 
   @jax.jit
-  def reward(params, heads, batch):
-    out = spec(params, heads, batch)  # the engine object is a closure constant: static
-    return (out.tokens % 2 == 0).sum(1)
+  def reward(params, batch):
+    out = van(params, batch)  # the engine object is a closure constant: static
+    return (out.tokens % 2 == 0).sum(1)  # (the speculative engine in a user jit: test_traceable)
 
-  np.testing.assert_array_equal(np.asarray(reward(params, heads, batch)),
+  np.testing.assert_array_equal(np.asarray(reward(params, batch)),
                                 (np.asarray(ref.tokens) % 2 == 0).sum(1))
   before = engines._vanilla_call._cache_size()
   twin = engines.VanillaEngine(config, van.settings)  # equal settings: equal, same hash

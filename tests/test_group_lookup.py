@@ -79,7 +79,8 @@ def batch(trained_model, gsm8k_prompts):
   return prompts, (prompt_of * G + member).astype(np.int32), prompt_of
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.0),
+@pytest.mark.parametrize("cfg", [pytest.param(SamplingConfig(temperature=0.0),
+                                              marks=pytest.mark.slow),
                                  pytest.param(SamplingConfig(temperature=0.7, top_k=40,
                                                              top_p=0.9), marks=pytest.mark.slow),
                                  SamplingConfig(temperature=1.0)], ids=str)

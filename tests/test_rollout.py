@@ -18,15 +18,21 @@ def _prompts(n, vocab, seed=0):
   return [rng.integers(0, vocab, rng.integers(1, 12)).tolist() for _ in range(n)]
 
 
+_forward = jax.jit(models.forward, static_argnums=0)
+
+
 @pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_logprobs_equal_teacher_forced(random_model, cfg):
   config, params = random_model
   prompts = _prompts(4, config.vocab_size)
   r = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=10, seed=7)
   assert (np.asarray(r.lengths) == 10).all()
+  seqs = np.zeros((4, 32), np.int32)  # right-padded: causal, so the padding changes no logit
   for i, p in enumerate(prompts):
-    seq = jnp.asarray(p + np.asarray(r.tokens[i]).tolist())[None]
-    logits = models.forward(config, params, seq)[0, len(p) - 1: -1]
+    seqs[i, : len(p) + 10] = p + np.asarray(r.tokens[i]).tolist()
+  full = _forward(config, params, jnp.asarray(seqs))  # one compiled teacher-forced forward
+  for i, p in enumerate(prompts):
+    logits = full[i, len(p) - 1: len(p) + 9]
     lp = sampling.token_logprobs(logits, r.tokens[i], cfg)
     np.testing.assert_allclose(np.asarray(r.logprobs[i]), np.asarray(lp), atol=1e-5)
     # the teacher-forced sample at each position reproduces the token (the noise is positional)
@@ -59,7 +65,9 @@ def test_eos_and_length_cut(random_model):
   config, params = random_model
   cfg = SamplingConfig(temperature=1.0)
   prompts = _prompts(6, config.vocab_size, seed=2)
-  free = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=16, seed=5)
+  # no EOS ([-1, -1]: two slots, as below, so both calls are one compiled program)
+  free = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=16, seed=5,
+                          eos_ids=[-1, -1], pad_id=-1)
   toks = np.asarray(free.tokens)
   eos = [int(toks[0, 3]), int(toks[2, 7])]
   r = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=16, seed=5,
@@ -72,7 +80,8 @@ def test_eos_and_length_cut(random_model):
     np.testing.assert_array_equal(out[i, :expect], toks[i, :expect])
     assert (out[i, expect:] == -1).all() and (lps[i, expect:] == 0).all()
   assert lens[0] <= 4 and lens[2] <= 8
-  short = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=5, seed=5)
+  short = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=5, seed=5,
+                           eos_ids=[-1, -1])
   np.testing.assert_array_equal(np.asarray(short.tokens), toks[:, :5])
   assert r.stats.tokens_per_forward == pytest.approx(1.0)
 
