@@ -123,7 +123,7 @@ def test_k3_kl_by_hand():
 M_TRAINED = 40
 
 
-@pytest.mark.parametrize("temperature", [0.7, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.7, marks=pytest.mark.slow), 1.0])
 def test_trainer_logprobs_equal_rollout_at_step_0(trained_model, gsm8k_prompts, temperature):
   config, params, tok = trained_model
   samp = SamplingConfig(temperature=temperature, top_p=0.9)

@@ -64,7 +64,7 @@ def heads(trained_model):
 CASES = [pytest.param(SamplingConfig(temperature=0.0), "lookup", marks=pytest.mark.slow),
          (SamplingConfig(temperature=0.0), "merged"),
          pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), "merged", marks=pytest.mark.slow),
-         (SamplingConfig(temperature=1.0), "lookup")]
+         pytest.param(SamplingConfig(temperature=1.0), "lookup", marks=pytest.mark.slow)]
 
 
 @pytest.mark.parametrize("cfg,which", CASES, ids=str)

@@ -385,6 +385,7 @@ def stride_rollouts(trained_model, gsm8k_prompts):
   return out
 
 
+@pytest.mark.slow  # two more adaptive compiles; Reflex exactness stays in test_adaptation
 def test_stride_keeps_vanilla_tokens(stride_rollouts):
   ref = stride_rollouts["vanilla"]
   for s in (1, 3):
@@ -394,6 +395,7 @@ def test_stride_keeps_vanilla_tokens(stride_rollouts):
     assert int(np.asarray(out.stats.spec.proposer.applied).sum()) > 0  # it corrected
 
 
+@pytest.mark.slow
 def test_stride_records_every_stride_th_step(stride_rollouts):
   for s in (1, 3):
     st = stride_rollouts[s].stats.spec.proposer

@@ -9,7 +9,8 @@ from specroll_jax import models, rollout, sampling
 from specroll_jax.proposers import PromptLookup
 from specroll_jax.rollout import SamplingConfig
 
-CONFIGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7, top_p=0.95),
+CONFIGS = [SamplingConfig(temperature=1.0),
+           pytest.param(SamplingConfig(temperature=0.7, top_p=0.95), marks=pytest.mark.slow),
            SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0, top_k=20)]
 
 

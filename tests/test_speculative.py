@@ -130,6 +130,7 @@ def test_compaction_over_buckets(trained_model, gsm8k_prompts, random_heads):
   assert [b[2] for b in times] == ran[: len(times)].tolist() and ran[len(times):].sum() == 0
 
 
+@pytest.mark.slow  # a speed figure (tau), not an exactness property
 def test_tau_with_fitted_heads(trained_model, gsm8k_prompts, fitted_heads):
   """Fitted heads give > 1.5 tokens per target forward on held-out prompts (greedy, fixed seed)."""
   config, params, tok = trained_model
