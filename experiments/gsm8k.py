@@ -138,9 +138,10 @@ def parse(argv):
 
 
 def check_processes(a) -> None:
-  """--coordinator, --num-processes, --process-id: all three or none, each valid. Only one process
-  is supported: ``Run`` feeds the step host arrays and reads rollouts back on the host, which is
-  not multi-process-correct (the train step alone is: tests/test_multiprocess.py)."""
+  """--coordinator, --num-processes, --process-id: all three or none, each valid. Several
+  processes: each decodes and scores the rows its devices hold, the update is one data-parallel
+  step over every process's devices, process 0 writes metrics, traces, the summary and plots
+  (``grpo.loop.Run``; tests/test_multiprocess.py). SpecRoll's adaptation is one process only."""
   flags = {"--coordinator": a.coordinator, "--num-processes": a.num_processes,
            "--process-id": a.process_id}
   missing = [f for f, v in flags.items() if v is None]
@@ -154,9 +155,10 @@ def check_processes(a) -> None:
   except ValueError as e:
     flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
     cli.fail(flag, flags.get(flag), str(e))
-  if a.num_processes > 1:
-    cli.fail("--num-processes", a.num_processes, "multi-process runs of the main job are not "
-             "supported yet; the train step is: see tests/test_multiprocess.py")
+  if a.num_processes > 1 and a.rollout == "specroll":
+    cli.fail("--rollout", a.rollout, f"with --num-processes {a.num_processes}: SpecRoll's "
+             "adaptation state is per process and not checkpointed across processes yet; use "
+             "--rollout vanilla or static-heads (the same tokens)")
 
 
 def run_config(a, *, rollout_kind: str) -> RunConfig:
@@ -272,8 +274,8 @@ def main(argv=None):
       print(f"held-out accuracy before training ({cfg.eval_prompts} {a.task} test problems): "
             f"greedy {g0:.3f}, sampled at T={a.temperature} {s0:.3f}", flush=True)
     recs, compile_info, r = train(a, cfg, model, heads, out / kind, resume=resume)
-    all_recs = read_metrics(out / kind / "metrics.jsonl")
-    evals[kind] = held_out(cfg, model, r.state.params)
+    all_recs = read_metrics(out / kind / "metrics.jsonl") if r.writer else recs
+    evals[kind] = held_out(cfg, model, r.local_params())
     (g0, s0), (g1, s1) = evals["before"], evals[kind]
     print(f"[{kind}] held-out accuracy after {cfg.steps} steps: greedy {g1:.3f} (before "
           f"{g0:.3f}), sampled at T={a.temperature} {s1:.3f} (before {s0:.3f})", flush=True)
@@ -281,6 +283,10 @@ def main(argv=None):
                      "held_out": {"before": g0, "after": g1, "sampled_before": s0,
                                   "sampled_after": s1}}
     runs[kind] = r
+  if jax.process_index() != 0:  # process 0 writes the summary and the plots
+    for r in runs.values():
+      r.close()
+    return results
   table = compare(results, runs, kinds)
   meta = {"command": "experiments/gsm8k.py " + " ".join(sys.argv[1:] if argv is None else argv),
           "model": str(path), "cpu": _common.cpu_model(),

@@ -155,14 +155,14 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
   timed loops of ``steps`` steps each, compile excluded. Cached as JSON in ``cache_dir``
   (default ``<cache>/cost``) under a key of everything the timing depends on (model config,
   proposer settings, decode settings, shapes, jax version, device and CPU model)."""
+  from specroll_jax import cache as _cache
   from specroll_jax import speculative as _spec
-  from specroll_jax.cache import cache_dir
   from specroll_jax.progress import progress_iter
   rows = tuple(sorted({int(r) for r in rows}, reverse=True))
   node_counts = tuple(sorted({0, *(int(n) for n in node_counts)}))
   prompts = np.asarray(prompts, np.int32)
   key = _cache_key(config, proposer, settings, rows, node_counts, prompts.shape[1])
-  folder = Path(cache_dir) if cache_dir is not None else cache_dir() / "cost"
+  folder = Path(cache_dir) if cache_dir is not None else _cache.cache_dir() / "cost"
   file = folder / f"cost-{key}.json"
   if file.exists():
     return CostModel.from_json(file.read_text())

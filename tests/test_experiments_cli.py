@@ -43,7 +43,7 @@ CASES = [
     ("gsm8k.py", ["--coordinator", "h:1234", "--num-processes", "2", "--process-id", "2"],
      "--process-id"),
     ("gsm8k.py", ["--coordinator", "h:1234", "--num-processes", "2", "--process-id", "1"],
-     "--num-processes"),
+     "--rollout"),  # several processes: vanilla or static-heads rollouts
 ]
 
 

@@ -33,7 +33,7 @@ from specroll_jax.data import gsm8k
 from specroll_jax.data.tasks import Task
 from specroll_jax.grpo.config import GRPOConfig
 from specroll_jax.grpo.loss import group_advantages
-from specroll_jax.grpo.step import Batch, init_train_state, make_train_step
+from specroll_jax.grpo.step import AXIS, Batch, init_train_state, make_train_step
 from specroll_jax.sampling import group_sample_ids
 from specroll_jax.traces import TraceWriter
 
@@ -151,6 +151,17 @@ class Run:
       raise ValueError(f"prompt width {self.data.width} + max_new_tokens {run.max_new_tokens} "
                        f"exceeds max_position_embeddings {config.max_position_embeddings}")
     self.train_step = make_train_step(config, run.grpo)
+    # several processes (``distributed.initialize``): every process holds the same global batch
+    # on the host, decodes and scores only the rows its devices hold under P("data") (the sample
+    # ids make them the rows one process would sample), and feeds them to the data-parallel step
+    # with ``make_array_from_process_local_data``; host metrics are gathered, and process 0
+    # alone writes metrics.jsonl and the traces (checkpoints are saved by every process).
+    self.num_processes = jax.process_count()
+    self.rows_local = self._local_rows()
+    if self.num_processes > 1 and run.rollout == "specroll":
+      raise ValueError(f"RunConfig.rollout={run.rollout!r} with {self.num_processes} processes: "
+                       "SpecRoll's adaptation state is per process and is not checkpointed "
+                       "across processes yet; use 'vanilla' or 'static-heads' (the same tokens)")
     # replicated over the mesh from the start, as every step returns it: the rollout's jit then
     # sees the same parameter sharding at every step (one compile)
     self.replicated = NamedSharding(self.train_step.mesh, PartitionSpec())
@@ -166,10 +177,11 @@ class Run:
       self.cost = self._measure_cost(params)
     self.ckpt = Checkpointer(self.out / "checkpoints", max_to_keep=run.keep_checkpoints,
                              async_save=False)
+    self.writer = jax.process_index() == 0  # metrics.jsonl and traces: process 0
     self.traces = TraceWriter(self.out / "traces", batch=run.rows, prompt_len=self.data.width,
                               max_new=run.max_new_tokens,
                               scalars=(("step", "int64"), ("tau", "float32"),
-                                       ("reward_mean", "float32")))
+                                       ("reward_mean", "float32"))) if self.writer else None
     self.metrics_path = self.out / "metrics.jsonl"
     self.next_step = 0
     if not resume and self.ckpt.latest_step() is not None:
@@ -183,15 +195,55 @@ class Run:
       self.state = jax.device_put(saved["train"], self.replicated)
       self.adapt = jax.device_put(saved["adaptation"], self.replicated)
       self.next_step = int(meta["step"]) + 1
-      self.traces.truncate(int(meta["trace_steps"]))
+      if self.writer:
+        self.traces.truncate(int(meta["trace_steps"]))
       log(f"resumed from step {meta['step']} ({self.out / 'checkpoints'})")
-    lines = []
-    if self.metrics_path.exists():
-      lines = [x + "\n" for x in self.metrics_path.read_text().splitlines()
-               if x.strip() and json.loads(x)["step"] < self.next_step]
-    _write_lines(self.metrics_path, lines)
-    if self.next_step == 0:
-      self.traces.truncate(0)
+    if self.writer:
+      lines = []
+      if self.metrics_path.exists():
+        lines = [x + "\n" for x in self.metrics_path.read_text().splitlines()
+                 if x.strip() and json.loads(x)["step"] < self.next_step]
+      _write_lines(self.metrics_path, lines)
+      if self.next_step == 0:
+        self.traces.truncate(0)
+
+  def _local_rows(self) -> slice:
+    """The rows of a step's batch this process decodes: those its devices hold under P("data")."""
+    rows = self.run.rows
+    if self.num_processes == 1:
+      return slice(0, rows)
+    g = self.run.grpo.group_size
+    sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
+    idx = sorted(s[0].indices(rows)[:2]
+                 for s in sharding.addressable_devices_indices_map((rows,)).values())
+    lo, hi = idx[0][0], idx[-1][1]
+    if hi - lo != rows // self.num_processes or lo % g:
+      raise ValueError(f"RunConfig.prompts_per_step={self.run.prompts_per_step} x G={g} rows do "
+                       f"not split into whole groups over {self.num_processes} processes "
+                       f"(this process's rows {lo}:{hi})")
+    return slice(lo, hi)
+
+  def local_params(self, params=None):
+    """This process's copy of the (replicated) policy parameters, for host-side decoding."""
+    params = self.state.params if params is None else params
+    return jax.tree.map(lambda x: x if getattr(x, "is_fully_addressable", True)
+                        else x.addressable_data(0), params)
+
+  def _global_batch(self, b: Batch) -> Batch:
+    """This process's rows as the data-parallel step's global batch (one process: as is)."""
+    if self.num_processes == 1:
+      return b
+    sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
+    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
+                        b)
+
+  def _gather(self, x) -> np.ndarray:
+    """Every process's rows of ``x`` in batch order (one process: ``x``)."""
+    x = np.asarray(x)
+    if self.num_processes == 1:
+      return x
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   def _saved(self):
     return {"train": self.state, "adaptation": self.adapt}
@@ -255,14 +307,17 @@ class Run:
     """Compile the rollout and the train step on step ``next_step``'s batch without changing any
     state (copies are used and discarded). Returns the seconds of each warm-up call."""
     toks, lens, golds, sids = self.batch(self.next_step)
+    sl = self.rows_local
+    toks, lens, sids = toks[sl], lens[sl], sids[sl]
     t0 = time.perf_counter()
-    out = self.rollout(self.state.params, toks, lens, sids, self.adapt)
+    out = self.rollout(self.local_params(), toks, lens, sids, self.adapt)
     jax.block_until_ready(out.tokens)
     t_roll = time.perf_counter() - t0
     rewards = np.zeros((len(toks),), np.float32)
     copy = jax.tree.map(jnp.array, self.state)
     t0 = time.perf_counter()
-    new, m = self.train_step(copy, Batch.from_rollout(toks, lens, out, rewards))
+    new, m = self.train_step(copy, self._global_batch(Batch.from_rollout(toks, lens, out,
+                                                                         rewards)))
     jax.block_until_ready(m.loss)
     return {"rollout_warmup_seconds": t_roll, "train_warmup_seconds": time.perf_counter() - t0}
 
@@ -271,13 +326,16 @@ class Run:
     run, k = self.run, self.next_step
     g = run.grpo.group_size
     toks, lens, golds, sids = self.batch(k)
+    sl = self.rows_local  # every row with one process
+    toks, lens, golds, sids = toks[sl], lens[sl], golds[sl], sids[sl]
+    params = self.local_params()
     spec = self.spec()
     if run.rollout == "specroll" and spec not in self._compiled:  # a new node choice compiles:
-      jax.block_until_ready(self.rollout(self.state.params, toks, lens, sids, self.adapt,
+      jax.block_until_ready(self.rollout(params, toks, lens, sids, self.adapt,
                                          spec).tokens)  # once, untimed (the output is discarded)
       self._compiled.add(spec)
     t_start = time.perf_counter()
-    out = self.rollout(self.state.params, toks, lens, sids, self.adapt, spec)
+    out = self.rollout(params, toks, lens, sids, self.adapt, spec)
     jax.block_until_ready(out.tokens)
     t_roll = time.perf_counter() - t_start
     report = out.adaptation_report or {}
@@ -291,9 +349,16 @@ class Run:
     correct = _rewards.batch_rewards(texts, golds)
     t_reward = time.perf_counter() - t0
     t0 = time.perf_counter()
-    self.state, m = self.train_step(self.state, Batch.from_rollout(toks, lens, out, rewards))
+    self.state, m = self.train_step(self.state, self._global_batch(
+        Batch.from_rollout(toks, lens, out, rewards)))
     m = jax.device_get(m)
     t_train = time.perf_counter() - t0
+    if self.num_processes > 1:  # the whole batch's rows, for metrics and traces
+      toks, lens, out_toks, out_lens, rewards, correct, logprobs = (
+          self._gather(x) for x in (toks, lens, out_toks, out_lens, rewards, correct,
+                                    out.logprobs))
+    else:
+      logprobs = np.asarray(out.logprobs)
     adv = np.asarray(group_advantages(jnp.asarray(rewards), g, run.grpo.adv_eps))
     grouped = correct.reshape(-1, g)
     st = out.stats
@@ -323,19 +388,20 @@ class Run:
                                                      "refresh_seconds", "compile_seconds")}
     if run.eval_every and (k + 1) % run.eval_every == 0:
       rec["eval_accuracy"] = self.evaluate()
-    self.traces.append({"prompt_ids": np.where(np.arange(toks.shape[1])[None] < lens[:, None],
-                                               toks, -1),
-                        "tokens": np.where(np.arange(out_toks.shape[1])[None] < out_lens[:, None],
-                                           out_toks, -1),
-                        "lengths": out_lens, "rewards": rewards,
-                        "logprobs": np.asarray(out.logprobs), "advantages": adv, "step": k,
-                        "tau": rec["tau"], "reward_mean": rec["reward_mean"]})
-    with open(self.metrics_path, "a") as f:
-      f.write(json.dumps(rec) + "\n")
-      f.flush()
-      os.fsync(f.fileno())
+    if self.writer:
+      self.traces.append({
+          "prompt_ids": np.where(np.arange(toks.shape[1])[None] < lens[:, None], toks, -1),
+          "tokens": np.where(np.arange(out_toks.shape[1])[None] < out_lens[:, None], out_toks,
+                             -1),
+          "lengths": out_lens, "rewards": rewards, "logprobs": logprobs, "advantages": adv,
+          "step": k, "tau": rec["tau"], "reward_mean": rec["reward_mean"]})
+      with open(self.metrics_path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    trace_steps = self.traces.num_steps if self.writer else k + 1  # (equal on process 0)
     self.ckpt.save(k, self._saved(), {"step": k, "data_position": (k + 1) * run.prompts_per_step,
-                                      "seed": run.seed, "trace_steps": self.traces.num_steps})
+                                      "seed": run.seed, "trace_steps": trace_steps})
     self.next_step = k + 1
     return rec
 
@@ -344,13 +410,14 @@ class Run:
     current policy, or of ``params``)."""
     from specroll_jax import evaluation
     exs = self.run.task.examples("test")[: self.run.eval_prompts]
-    res = evaluation.accuracy(self.config, self.state.params if params is None else params,
-                              self.tok, exs, max_new_tokens=self.run.max_new_tokens)
+    res = evaluation.accuracy(self.config, self.local_params(params), self.tok, exs,
+                              max_new_tokens=self.run.max_new_tokens)
     return float(res["accuracy_strict"])
 
   def close(self) -> None:
     self.ckpt.close()
-    self.traces.close()
+    if self.traces is not None:
+      self.traces.close()
 
 
 def read_metrics(path) -> list[dict]:
