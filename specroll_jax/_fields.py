@@ -1,12 +1,21 @@
-"""One rule for validated config fields: a frozen dataclass's int / float fields checked (bools
-refused, numpy scalars accepted and stored as Python numbers) with a ValueError naming the owner,
-the field, the limit and the value."""
+"""One rule for validated config fields: a frozen dataclass's typed, int and float fields checked
+(bools refused, numpy scalars accepted and stored as Python numbers) with a ValueError naming the
+owner, the field, the limit and the value."""
 
 from __future__ import annotations
 
 import math
 
 import numpy as np
+
+
+def check_type(obj, name: str, cls, *, what: str | None = None, owner: str | None = None):
+  """``obj.name`` as an instance of ``cls`` (``what`` names it in the message)."""
+  v = getattr(obj, name)
+  if not isinstance(v, cls):
+    owner = type(obj).__name__ if owner is None else owner
+    raise ValueError(f"{owner}.{name} must be a {what or cls.__name__}, got {type(v).__name__}")
+  return v
 
 
 def check_int(obj, name: str, lo: int, hi: int | None = None, *, owner: str | None = None) -> int:

@@ -30,6 +30,7 @@ from jaxtyping import Array, Float, Int
 from specroll_jax import head_kinds
 from specroll_jax import reflex as _reflex
 from specroll_jax import slow_path as _slow
+from specroll_jax._fields import check_type
 from specroll_jax.proposers import HeadsProposer, Proposer
 from specroll_jax.proposers.reflex import ReflexProposer
 from specroll_jax.reflex import ReflexConfig, ReflexGlobal
@@ -47,12 +48,8 @@ class AdaptationConfig:
   slow: SlowPathConfig = SlowPathConfig()
 
   def __post_init__(self):
-    if not isinstance(self.reflex, ReflexConfig):
-      raise ValueError(f"AdaptationConfig.reflex must be a ReflexConfig, got "
-                       f"{type(self.reflex).__name__}")
-    if not isinstance(self.slow, SlowPathConfig):
-      raise ValueError(f"AdaptationConfig.slow must be a SlowPathConfig, got "
-                       f"{type(self.slow).__name__}")
+    check_type(self, "reflex", ReflexConfig)
+    check_type(self, "slow", SlowPathConfig)
     if self.slow.mode != "off" and self.reflex.record_capacity == 0:
       raise ValueError(f"AdaptationConfig: slow path mode {self.slow.mode!r} needs records, but "
                        "reflex.record_capacity is 0")

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from specroll_jax import buckets as _buckets
-from specroll_jax._fields import check_int
+from specroll_jax._fields import check_int, check_type
 from specroll_jax.kernels import Kernels
 from specroll_jax.sampling import SamplingConfig
 
@@ -41,9 +41,7 @@ class DecodeSettings:
   bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
 
   def __post_init__(self):
-    if not isinstance(self.sampling, SamplingConfig):
-      raise ValueError(
-          f"DecodeSettings.sampling must be a SamplingConfig, got {type(self.sampling).__name__}")
+    check_type(self, "sampling", SamplingConfig)
     for name in ("max_new_tokens", "cache_length"):
       check_int(self, name, 1)
     if not isinstance(self.kernels, Kernels):

@@ -31,6 +31,7 @@ from jaxtyping import Array, Int, UInt32
 
 from specroll_jax import speculative as _spec
 from specroll_jax import vanilla as _vanilla
+from specroll_jax._fields import check_type
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.kernels import Kernels
 from specroll_jax.models.config import ModelConfig
@@ -63,12 +64,17 @@ class PromptBatch:
   def from_prepared(cls, prepared, seed) -> PromptBatch:
     """The device batch of a ``rollout.prepare_batch`` result (validated and padded on the host)
     and a seed in [0, 2**32)."""
-    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not (
-        0 <= int(seed) < 2**32):
-      raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+    check_seed(seed)
     return cls(tokens=jnp.asarray(prepared.tokens), lengths=jnp.asarray(prepared.lengths),
                sample_ids=jnp.asarray(prepared.sample_ids), eos_ids=jnp.asarray(prepared.eos_ids),
                seed=jnp.uint32(seed))
+
+
+def check_seed(seed) -> None:
+  """ValueError unless ``seed`` is an int in [0, 2**32) (the noise's uint32 seed)."""
+  if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer) or not (
+      0 <= int(seed) < 2**32):
+    raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
 
 
 def _settings(sampling, max_new_tokens, cache_length, kernels, **kw) -> DecodeSettings:
@@ -77,12 +83,8 @@ def _settings(sampling, max_new_tokens, cache_length, kernels, **kw) -> DecodeSe
 
 
 def _check_common(engine) -> None:
-  if not isinstance(engine.config, ModelConfig):
-    raise ValueError(f"{type(engine).__name__}.config must be a ModelConfig, got "
-                     f"{type(engine.config).__name__}")
-  if not isinstance(engine.settings, DecodeSettings):
-    raise ValueError(f"{type(engine).__name__}.settings must be a DecodeSettings, got "
-                     f"{type(engine.settings).__name__}")
+  check_type(engine, "config", ModelConfig)
+  check_type(engine, "settings", DecodeSettings)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,11 +128,8 @@ class SpecEngine:
 
   def __post_init__(self):
     _check_common(self)
-    if not isinstance(self.proposer, Proposer):
-      raise ValueError(f"SpecEngine.proposer must be a specroll_jax.proposers.Proposer, got "
-                       f"{type(self.proposer).__name__}")
-    if not isinstance(self.spec, SpecConfig):
-      raise ValueError(f"SpecEngine.spec must be a SpecConfig, got {type(self.spec).__name__}")
+    check_type(self, "proposer", Proposer, what="specroll_jax.proposers.Proposer")
+    check_type(self, "spec", SpecConfig)
 
   @classmethod
   def build(cls, config: ModelConfig, *, proposer: Proposer, max_new_tokens: int,

@@ -7,8 +7,18 @@ from __future__ import annotations
 from typing import Any
 
 import flax.struct
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
+
+
+class Summed:
+  """Statistics that add up leaf by leaf (a proposer's, summed over the steps of a rollout by the
+  engine): ``a.combine(b)`` is the statistics of both."""
+
+  def combine(self, other):
+    return jax.tree.map(jnp.add, self, other)
 
 
 @flax.struct.dataclass

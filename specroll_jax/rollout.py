@@ -27,7 +27,7 @@ import numpy as np
 
 from specroll_jax import speculative as _spec
 from specroll_jax.config import DecodeSettings, SpecConfig
-from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine
+from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import HeadsProposer, Proposer
@@ -182,11 +182,6 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
   return PreparedBatch(toks, lens, sids, eos.astype(np.int32), int(cache_length))
 
 
-def _check_seed(seed):
-  if not _is_int(seed) or not (0 <= int(seed) < 2**32):
-    raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Jitted entries (compiled once per static settings)
 
@@ -196,9 +191,10 @@ _bucket_jit = jax.jit(_spec.run_bucket,
 _finish_jit = jax.jit(_spec.finish, static_argnames=("settings",))
 
 
-def _profiled(config, params, proposer, proposer_params, args, settings, spec):
+def _profiled(config, params, proposer, proposer_params, batch: PromptBatch, settings, spec):
   """The speculative rollout bucket by bucket from the host, timing each bucket (profile=True)."""
-  tokens, lengths, sids, eos, seed = args
+  tokens, lengths, sids, eos, seed = (batch.tokens, batch.lengths, batch.sample_ids,
+                                      batch.eos_ids, batch.seed)
   state = _init_jit(config, params, proposer, proposer_params, tokens, lengths, sids, eos, seed,
                     settings=settings, spec=spec)
   times = []
@@ -295,7 +291,7 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
     raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
   if on_nonfinite not in ("raise", "flag"):
     raise ValueError(f"on_nonfinite must be 'raise' or 'flag', got {on_nonfinite!r}")
-  _check_seed(seed)
+  check_seed(seed)
   kern = Kernels.resolve(kernels)
   if adaptation is not None:
     from specroll_jax import adaptation as _adapt
@@ -330,8 +326,7 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   if proposer is None:
     out = VanillaEngine(config, settings).jit(params, dev)
   elif profile:
-    args = (dev.tokens, dev.lengths, dev.sample_ids, dev.eos_ids, dev.seed)
-    out = _profiled(config, params, proposer, proposer_params, args, settings, spec)
+    out = _profiled(config, params, proposer, proposer_params, dev, settings, spec)
   else:
     out = SpecEngine(config, settings, proposer, spec).jit(params, proposer_params, dev)
   nf = np.asarray(out.stats.nonfinite)

@@ -83,6 +83,9 @@ def test_lookup_proposers_equal_vanilla(trained_model, gsm8k_prompts, heads, cfg
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
   np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
   np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
+  st = got.stats.spec.proposer
+  twice = st.combine(st)  # statistics add up leaf by leaf (results.Summed)
+  assert [int(a) for a in jax.tree.leaves(twice)] == [2 * int(b) for b in jax.tree.leaves(st)]
   ps = jax.tree.map(int, got.stats.spec.proposer)
   ps = ps if which == "lookup" else ps.lookup  # HeadsAndLookup: PairStats(heads, lookup)
   assert 0 <= ps.matched <= ps.tokens

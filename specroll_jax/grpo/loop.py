@@ -157,6 +157,7 @@ class Run:
     # with ``make_array_from_process_local_data``; host metrics are gathered, and process 0
     # alone writes metrics.jsonl and the traces (checkpoints are saved by every process).
     self.num_processes = jax.process_count()
+    self.rows_sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
     self.rows_local = self._local_rows()
     if self.num_processes > 1 and run.rollout == "specroll":
       raise ValueError(f"RunConfig.rollout={run.rollout!r} with {self.num_processes} processes: "
@@ -213,9 +214,8 @@ class Run:
     if self.num_processes == 1:
       return slice(0, rows)
     g = self.run.grpo.group_size
-    sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
     idx = sorted(s[0].indices(rows)[:2]
-                 for s in sharding.addressable_devices_indices_map((rows,)).values())
+                 for s in self.rows_sharding.addressable_devices_indices_map((rows,)).values())
     lo, hi = idx[0][0], idx[-1][1]
     if hi - lo != rows // self.num_processes or lo % g:
       raise ValueError(f"RunConfig.prompts_per_step={self.run.prompts_per_step} x G={g} rows do "
@@ -233,9 +233,8 @@ class Run:
     """This process's rows as the data-parallel step's global batch (one process: as is)."""
     if self.num_processes == 1:
       return b
-    sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
-    return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, np.asarray(x)),
-                        b)
+    return jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(self.rows_sharding, np.asarray(x)), b)
 
   def _gather(self, x) -> np.ndarray:
     """Every process's rows of ``x`` in batch order (one process: ``x``)."""
@@ -353,12 +352,9 @@ class Run:
         Batch.from_rollout(toks, lens, out, rewards)))
     m = jax.device_get(m)
     t_train = time.perf_counter() - t0
-    if self.num_processes > 1:  # the whole batch's rows, for metrics and traces
-      toks, lens, out_toks, out_lens, rewards, correct, logprobs = (
-          self._gather(x) for x in (toks, lens, out_toks, out_lens, rewards, correct,
-                                    out.logprobs))
-    else:
-      logprobs = np.asarray(out.logprobs)
+    # the whole batch's rows (every process's), for metrics and traces
+    toks, lens, out_toks, out_lens, rewards, correct, logprobs = (
+        self._gather(x) for x in (toks, lens, out_toks, out_lens, rewards, correct, out.logprobs))
     adv = np.asarray(group_advantages(jnp.asarray(rewards), g, run.grpo.adv_eps))
     grouped = correct.reshape(-1, g)
     st = out.stats

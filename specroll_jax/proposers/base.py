@@ -221,8 +221,8 @@ class Proposer:
 
   def init_stats(self) -> PyTree:
     """Zeros of the statistics ``update`` returns ({} when there are none): a struct of arrays
-    without a rows axis (``ReflexStats``, ``TreeStats``, ``LookupStats``) that adds up leaf by
-    leaf."""
+    without a rows axis (``ReflexStats``, ``TreeStats``, ``LookupStats``: ``results.Summed``)
+    that adds up leaf by leaf."""
     return {}
 
 

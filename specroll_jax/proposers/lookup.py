@@ -17,36 +17,30 @@ from __future__ import annotations
 import dataclasses
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from specroll_jax import tree as _tree
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.heads import HeadsProposer
+from specroll_jax.results import Summed
 
 
 @flax.struct.dataclass
-class LookupStats:
+class LookupStats(Summed):
   """Prompt lookup's statistics of a rollout (summed over steps: ``combine``)."""
 
   rows: Int[Array, ""]  # row-steps that proposed a chain
   tokens: Int[Array, ""]  # chain tokens proposed
   matched: Int[Array, ""]  # chain tokens the target committed
 
-  def combine(self, other: LookupStats) -> LookupStats:
-    return jax.tree.map(jnp.add, self, other)
-
 
 @flax.struct.dataclass
-class PairStats:
+class PairStats(Summed):
   """The statistics of two proposers merged into one tree (``HeadsAndLookup``)."""
 
   heads: object
   lookup: LookupStats
-
-  def combine(self, other: PairStats) -> PairStats:
-    return jax.tree.map(jnp.add, self, other)
 
 
 @flax.struct.dataclass

@@ -20,12 +20,13 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import tree as _tree
 from specroll_jax.proposers.base import Proposer
+from specroll_jax.results import Summed
 
 NUM_FOUND = 3  # lookup sources (own, sibling, prior) whose hits ``TreeStats.found`` counts
 
 
 @flax.struct.dataclass
-class TreeStats:
+class TreeStats(Summed):
   """Summed over a rollout: the counts a calibration table learns from, and what goodput needs."""
 
   tested: Int[Array, " Nb"]  # nodes per bin whose parent was accepted

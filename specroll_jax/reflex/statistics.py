@@ -15,6 +15,7 @@ from jaxtyping import Array, Float, Int
 from specroll_jax import heads as _heads
 from specroll_jax.reflex.config import _TINY, ReflexConfig
 from specroll_jax.reflex.state import FastState, ReflexGlobal
+from specroll_jax.results import Summed
 
 
 def _rms(x, axis=-1):
@@ -79,7 +80,7 @@ def welford_merge(fast: FastState, count, total, sq) -> FastState:
 
 
 @flax.struct.dataclass
-class ReflexStats:
+class ReflexStats(Summed):
   """Reflex's per-head statistics of a rollout (leaves [K]; summed over steps by the engine:
   ``combine``). ``expected`` / ``expected_n`` only with root-conditioned heads (None otherwise)."""
 
@@ -108,10 +109,6 @@ class ReflexStats:
     return ReflexStats(row_head_steps=zi, applied=zi, ratio_sum=zf, lcb_sum=zf, lcb_n=zi,
                        matured=zi, updates=zi, tv_sum=zf, hits=zi, resets=zi, gain_sum=zf,
                        gain_sq=zf, gain_n=zi, **cond)
-
-  def combine(self, other: ReflexStats) -> ReflexStats:
-    """The statistics of both (summed)."""
-    return jax.tree.map(jnp.add, self, other)
 
 
 def end_batch(cfg: ReflexConfig, glob: ReflexGlobal, stats: ReflexStats) -> ReflexGlobal:
