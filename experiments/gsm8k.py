@@ -6,7 +6,7 @@
       --prompts 32 --group 8 --max-new-tokens 512 --lr 1e-6 --spec h200      # GPU / TPU
 
 Task: with the embedded model the default is the synthetic GSM8K-format problems
-(``data/synthetic.py``; ``--task synthetic --level 0``, 50 steps of 16 prompts x 8, lr 3e-4): a
+(``data/synthetic.py``; ``--task synthetic --level 0``, 80 steps of 16 prompts x 8, lr 3e-4): a
 2M-parameter model solves about 3% of GSM8K, too few correct samples for GRPO to learn from, but
 about a third of these at T = 1 (70% greedy), so the run shows GRPO learning. With ``--model``
 the default is GSM8K; ``--task gsm8k|synthetic|mix`` chooses.
@@ -67,7 +67,7 @@ def parse(argv):
                   help="synthetic difficulty level (0..4; default 0: one + or - step, numbers up "
                        "to 10)")
   ap.add_argument("--steps", type=int, default=None,
-                  help="GRPO steps (default: 50 synthetic, 12 gsm8k)")
+                  help="GRPO steps (default: 80 synthetic, 12 gsm8k)")
   ap.add_argument("--eval-prompts", type=int, default=256,
                   help="held-out test problems for the accuracy before and after (greedy and "
                        "sampled)")
@@ -105,7 +105,7 @@ def parse(argv):
   if a.task is None:
     a.task = "synthetic" if a.model is None else "gsm8k"
   syn = a.task != "gsm8k"
-  for name, if_syn, if_gsm8k in (("steps", 50, 12), ("prompts", 16, 8),
+  for name, if_syn, if_gsm8k in (("steps", 80, 12), ("prompts", 16, 8),
                                  ("max_new_tokens", 48, 256), ("warmup", 10, 0)):
     if getattr(a, name) is None:
       setattr(a, name, if_syn if syn else if_gsm8k)

@@ -89,6 +89,34 @@ def test_feedback_matches_numpy(small, temperature):
   assert float(mt2.tv) < float(mt.tv)
 
 
+@pytest.mark.parametrize("n_due", [0, 5, 12, 13, 40])
+def test_feedback_of_due_records_only_equals_dense(small, n_due):
+  """The matured records' feedback is computed on the due ones alone (gathered, R * K = 12 of
+  R * K * S = 60 slots here) unless more are due (the dense path): the same values wherever a
+  record is due, zeros or the dense values elsewhere (never read)."""
+  c, p, _, _ = small
+  cfg = reflex.ReflexConfig(top=3, topk=(3, 2, 2), weak=2)
+  prop = proposers.ReflexProposer(cfg)
+  target = Target(config=c, params=p, sampling=SamplingConfig(temperature=0.7))
+  r, k, s, cm = 4, 3, cfg.slots, cfg.max_candidates
+  rng = np.random.default_rng(n_due)
+  ids = lambda *sh: jnp.asarray(rng.integers(-1, V, size=(r, k, s) + sh), jnp.int32)
+  args = (jnp.asarray(rng.normal(size=(r, k, s, D)), jnp.float32), ids(3), ids(3),
+          jnp.asarray(rng.integers(0, V, size=(r, k, s)), jnp.int32), ids(cm), ids(cm), ids(cm),
+          jnp.asarray(rng.normal(size=(r, k, s, D)), jnp.float32),
+          jnp.asarray(rng.normal(size=(r, k, s)) + 3.0, jnp.float32))
+  due = np.zeros(r * k * s, bool)
+  due[rng.permutation(r * k * s)[:n_due]] = True
+  due = jnp.asarray(due.reshape(r, k, s))
+  ours = jax.jit(lambda d, a: prop._feedback_due(target, d, a))(due, args)
+  dense = jax.jit(lambda a: reflex.feedback(cfg, target, *a))(args)
+  mask = np.asarray(due)
+  for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(dense), strict=True):
+    np.testing.assert_allclose(np.asarray(a)[mask], np.asarray(b)[mask], rtol=1e-5, atol=1e-6)
+  if 0 < n_due <= r * k:  # the compact path: nothing computed where no record is due
+    assert not np.asarray(ours.tv)[~mask].any() and not np.asarray(ours.g)[~mask].any()
+
+
 def test_welford_lcb_and_trust_match_direct_computation():
   cos = np.array([0.3, 0.1, 0.25, -0.05, 0.4, 0.2, 0.15, 0.35, 0.05, 0.3], np.float32)
   cfg = reflex.ReflexConfig(min_obs=(8, 8, 8), min_severity=(0.0, 0.0, 0.0))

@@ -320,9 +320,9 @@ class ReflexProposer(Proposer):
     take_j = lambda x: jnp.take_along_axis(
         x, jc.reshape((r, -1) + (1,) * (x.ndim - 2)), axis=1).reshape(jc.shape + x.shape[2:])
     token = take_j(fb.tokens)
-    mt = feedback(cfg, target, pend.head, pend.qtop, take_j(fb.topm_ids)[..., : cfg.top], token,
-                  pend.cand, pend.corr_top, pend.raw_top, take_j(fb.path_hidden),
-                  take_j(fb.lse))
+    mt = self._feedback_due(target, due, (
+        pend.head, pend.qtop, take_j(fb.topm_ids)[..., : cfg.top], token, pend.cand,
+        pend.corr_top, pend.raw_top, take_j(fb.path_hidden), take_j(fb.lse)))
     finite = jnp.isfinite(mt.g).all(-1) & jnp.isfinite(mt.severity)
     ok = mature & finite
     use = ok & (mt.severity >= cfg.severity_floor)
@@ -359,6 +359,34 @@ class ReflexProposer(Proposer):
         gain_n=per_head(applied.astype(jnp.int32)))
     return _Matured(cnt=cnt, tot=tot, sq=sq, sev_add=sev_add, dm=dm,
                     bad=(mature & ~finite).any(-1), records=records, stats=stats)
+
+  def _feedback_due(self, target, due, args):
+    """``feedback`` of the records [R, K, S] over ``args`` (leaves [R, K, S, ...]), computed only
+    for the ``due`` ones: they are gathered into R * K entries (one per (row, head): what a step
+    matures unless feedback rounds come closer than K steps apart) and the results scattered
+    back (zeros where not due: every later use is masked by ``due``); more due records than that
+    take the dense path over all R * K * S slots. Per entry the math is the same, so both paths
+    give the same feedback; the compact one does 1/S of the work (S = K + 2 slots)."""
+    cfg = self.config
+    shape = due.shape
+    n_all = due.size
+    m = min(n_all, shape[0] * shape[1])
+
+    def dense():
+      return feedback(cfg, target, *args)
+
+    def compact():
+      idx = jnp.nonzero(due.reshape(-1), size=m, fill_value=n_all)[0]  # padding: out of range
+      take = lambda x: jnp.take(x.reshape((n_all,) + x.shape[3:]), idx, axis=0, mode="clip")
+      mt = feedback(cfg, target, *(take(x) for x in args))
+      back = lambda x: jnp.zeros((n_all,) + x.shape[1:], x.dtype).at[idx].set(
+          x, mode="drop").reshape(shape + x.shape[1:])
+      return jax.tree.map(back, mt)
+
+    if m == n_all:
+      return dense()
+    # (dense first: a test that forces every cond's first branch keeps the exact dense path)
+    return jax.lax.cond(due.sum() > m, dense, compact)
 
   def expected_gain(self, state, num_nodes: int):
     rows = state[0]
