@@ -8,8 +8,9 @@ Reflex, the slow path, both, per-batch refits, a refit ceiling and group-aware l
   .venv/bin/python experiments/bench_adaptation.py --quick              # smoke run
 
 Phase 1, policies (--policies DIR). A GRPO run (``grpo.loop.Run``, vanilla rollouts at T = 1, the
-synthetic task at --level, --grpo-prompts x --grpo-group per step, --grpo-lr) from the embedded
-model (or --model) saves the policy's parameters with orbax (``checkpoint.Checkpointer``) at step 0
+synthetic task at --level, --grpo-prompts x --grpo-group per step, --grpo-lr with --grpo-warmup
+steps of linear warm-up; by default the main job's 80 steps) from the embedded model (or --model)
+saves the policy's parameters with orbax (``checkpoint.Checkpointer``) at step 0
 and after every --save-every steps (and the last) into DIR; each checkpoint's meta names the model
 (folder, hash of config.json, fingerprint of the weights), the GRPO settings, the step and that
 step's GRPO metrics. The run's own state (train checkpoints, traces, metrics.jsonl) is in DIR/grpo.
@@ -110,9 +111,11 @@ def parse(argv):
   ap.add_argument("--policies", default=None,
                   help=f"the policy sequence's folder (default {DEFAULT_POLICIES}, "
                        "+ '_quick' with --quick)")
-  ap.add_argument("--grpo-steps", type=int, default=50)
-  ap.add_argument("--save-every", type=int, default=5, help="save the policy every n GRPO steps")
+  ap.add_argument("--grpo-steps", type=int, default=80, help="GRPO steps (the main job's: 80)")
+  ap.add_argument("--save-every", type=int, default=8, help="save the policy every n GRPO steps")
   ap.add_argument("--grpo-lr", type=float, default=3e-4)
+  ap.add_argument("--grpo-warmup", type=int, default=10,
+                  help="GRPO learning-rate warm-up steps (the main job's: 10)")
   ap.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
   ap.add_argument("--grpo-group", type=int, default=8, help="GRPO responses per prompt")
   ap.add_argument("--grpo-max-new-tokens", type=int, default=48)
@@ -138,7 +141,8 @@ def parse(argv):
   ap.add_argument("--quick", action="store_true",
                   help="smoke run: 2 GRPO steps, 3 batches of 2 x 2, 24 tokens, 4 arms")
   a = ap.parse_args(argv)
-  _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_prompts=1, grpo_group=2,
+  _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_warmup=0, grpo_prompts=1,
+                             grpo_group=2,
                              grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
                              node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
                              ceiling_every=1, min_gap=0.0)
@@ -195,7 +199,8 @@ def policy_steps(a) -> list[int]:
 
 def grpo_settings(a) -> dict:
   return {"task": "synthetic", "level": a.level, "steps": a.grpo_steps, "save_every": a.save_every,
-          "learning_rate": a.grpo_lr, "prompts_per_step": a.grpo_prompts, "group": a.grpo_group,
+          "learning_rate": a.grpo_lr, "warmup_steps": a.grpo_warmup,
+          "prompts_per_step": a.grpo_prompts, "group": a.grpo_group,
           "max_new_tokens": a.grpo_max_new_tokens, "temperature": GRPO_TEMPERATURE,
           "seed": a.seed, "rollout": "vanilla"}
 
@@ -279,7 +284,7 @@ def run_grpo(a, config, params, tok, ident, ck, have, want, metas) -> None:
   from specroll_jax.grpo.loop import Run, RunConfig
   sampling = rollout.SamplingConfig(temperature=GRPO_TEMPERATURE)
   cfg = RunConfig(grpo=GRPOConfig(group_size=a.grpo_group, learning_rate=a.grpo_lr,
-                                  sampling=sampling),
+                                  warmup_steps=a.grpo_warmup, sampling=sampling),
                   task=Task(name="synthetic", level=a.level), prompts_per_step=a.grpo_prompts,
                   max_new_tokens=a.grpo_max_new_tokens, steps=a.grpo_steps, seed=a.seed,
                   rollout="vanilla")

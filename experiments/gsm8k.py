@@ -44,7 +44,7 @@ from specroll_jax import adaptation, cli, distributed, pipeline, rollout
 from specroll_jax import slow_path as SP
 from specroll_jax.data import synthetic as _synthetic
 from specroll_jax.data.tasks import TASKS, Task
-from specroll_jax.grpo import GRPOConfig
+from specroll_jax.grpo import OLD_POLICIES, GRPOConfig
 from specroll_jax.grpo.loop import ROLLOUTS, Run, RunConfig, read_metrics
 from specroll_jax.kernels import CHOICES as KERNEL_CHOICES
 from specroll_jax.progress import is_terminal
@@ -83,6 +83,11 @@ def parse(argv):
   ap.add_argument("--beta", type=float, default=0.0, help="k3 KL weight to the initial policy")
   ap.add_argument("--clip", type=float, nargs=2, default=(0.2, 0.28), metavar=("LOW", "HIGH"),
                   help="ratio clip epsilons")
+  ap.add_argument("--old-policy", choices=OLD_POLICIES, default="trainer",
+                  help="the ratio's old logprobs (GRPOConfig.old_policy): trainer (default here: "
+                       "the update does not depend on which engine rolled out, so the SpecRoll "
+                       "and vanilla runs give bit-identical parameters) or rollout (the "
+                       "library's default)")
   ap.add_argument("--node-budget", type=int, default=None,
                   help="tree nodes per verify forward (default: the --spec preset's)")
   ap.add_argument("--spec", default="cpu", choices=["cpu", "h200"], help="SpecConfig preset")
@@ -166,7 +171,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   lr = a.lr if a.lr is not None else (1e-6 if a.model is not None else
                                       (2e-4 if a.task == "gsm8k" else 3e-4))
   grpo = GRPOConfig(group_size=a.group, learning_rate=lr, beta=a.beta, warmup_steps=a.warmup,
-                    clip_eps_low=a.clip[0], clip_eps_high=a.clip[1], sampling=sampling)
+                    clip_eps_low=a.clip[0], clip_eps_high=a.clip[1], old_policy=a.old_policy,
+                    sampling=sampling)
   spec = rollout.SpecConfig.for_h200() if a.spec == "h200" else rollout.SpecConfig.for_cpu()
   if a.node_budget is not None:
     spec = dataclasses.replace(spec, node_budget=a.node_budget)

@@ -50,6 +50,9 @@ def test_config_rejects_bad_aggregation_and_sampling():
     grpo.GRPOConfig(aggregation="mean")
   with pytest.raises(ValueError, match="sampling must be a SamplingConfig"):
     grpo.GRPOConfig(sampling={"temperature": 1.0})
+  with pytest.raises(ValueError, match=r"old_policy must be one of \('rollout', 'trainer'\), "
+                     r"got 'behaviour'"):
+    grpo.GRPOConfig(old_policy="behaviour")
 
 
 # --- advantages, objective, KL (hand-computed) ------------------------------------------------
@@ -221,6 +224,47 @@ def test_speculative_rollouts_give_vanilla_updates(small_model):
             for a, b in zip(jax.tree.leaves(ps), jax.tree.leaves(pv), strict=True))
   print(f"params after 2 steps: max |spec - vanilla| = {gap:.1e} (max update {moved:.1e})")
   assert gap <= 1e-5
+
+
+def test_trainer_old_policy_makes_the_update_independent_of_the_rollout_logprobs(small_model):
+  """old_policy="trainer": the ratio's old logprobs are the trainer's own (stop_gradient), so
+  the update is bit-identical whatever logprobs the rollout reported (a speculative and a vanilla
+  run give the same parameters); "rollout" uses them (perturbing them changes the update), and
+  at the rollout's true logprobs both give the same update up to rounding."""
+  config, params = small_model
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  samp = SamplingConfig(temperature=1.0)
+  pb = _prompt_batch(config)
+  rep = np.repeat(np.asarray(pb.tokens), G, axis=0)
+  lens = np.repeat(np.asarray(pb.lengths), G)
+  sids = np.arange(len(rep))
+  r = rollout.generate(config, params, rep, prompt_lengths=lens, sampling=samp, seed=3,
+                       max_new_tokens=M, eos_ids=EOS, sample_ids=sids)
+  rewards = np.asarray(_reward(None, None, r.tokens, r.lengths, np.repeat(
+      np.asarray(pb.reward_data), G)))
+  batch = grpo.Batch.from_rollout(rep, lens, r, rewards)
+  noisy = batch.replace(logprobs=batch.logprobs + 0.3 * jnp.asarray(
+      np.random.default_rng(1).normal(size=batch.logprobs.shape), jnp.float32))
+  out = {}
+  for old in ("trainer", "rollout"):
+    cfg = grpo.GRPOConfig(group_size=G, learning_rate=2e-4, old_policy=old, sampling=samp)
+    step = grpo.make_train_step(config, cfg, mesh=mesh)
+    for name, b in (("exact", batch), ("noisy", noisy)):
+      st, met = step(grpo.init_train_state(params, cfg), b)
+      out[old, name] = (jax.device_get(st.params), jax.device_get(met))
+  leaves = lambda k: jax.tree.leaves(out[k][0])
+  for a, b in zip(leaves(("trainer", "exact")), leaves(("trainer", "noisy")), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert float(out["trainer", "noisy"][1].clip_fraction) == 0.0  # the ratio is exactly 1
+  assert float(out["rollout", "noisy"][1].clip_fraction) > 0.1  # the noise hits the clip
+  gap = lambda k1, k2: max(float(np.abs(a - b).max())
+                           for a, b in zip(leaves(k1), leaves(k2), strict=True))
+  assert gap(("rollout", "exact"), ("rollout", "noisy")) > 1e-5
+  moved = max(float(np.abs(a - b).max())
+              for a, b in zip(leaves(("trainer", "exact")), jax.tree.leaves(params), strict=True))
+  assert moved > 1e-4  # an update of about lr: the equalities above are not trivially true
+  np.testing.assert_allclose(float(out["trainer", "exact"][1].grad_norm),
+                             float(out["rollout", "exact"][1].grad_norm), rtol=1e-4)
 
 
 # --- bad input -------------------------------------------------------------------------------

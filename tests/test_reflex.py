@@ -89,7 +89,7 @@ def test_feedback_matches_numpy(small, temperature):
   assert float(mt2.tv) < float(mt.tv)
 
 
-@pytest.mark.parametrize("n_due", [0, 5, 12, 13, 40])
+@pytest.mark.parametrize("n_due", [12, 13])  # all R * K compact; one more: dense
 def test_feedback_of_due_records_only_equals_dense(small, n_due):
   """The matured records' feedback is computed on the due ones alone (gathered, R * K = 12 of
   R * K * S = 60 slots here) unless more are due (the dense path): the same values wherever a

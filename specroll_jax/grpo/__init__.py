@@ -7,7 +7,7 @@ fully on-device step that samples, rewards and trains in one jitted program
 (``make_rollout_train_step``).
 """
 
-from specroll_jax.grpo.config import AGGREGATIONS, GRPOConfig
+from specroll_jax.grpo.config import AGGREGATIONS, OLD_POLICIES, GRPOConfig
 from specroll_jax.grpo.logprobs import TokenScores, trainer_logprobs
 from specroll_jax.grpo.loss import (
   Metrics,
@@ -34,7 +34,8 @@ from specroll_jax.grpo.step import (
   train_step,
 )
 
-__all__ = ["AGGREGATIONS", "Batch", "GRPOConfig", "Metrics", "PromptBatch", "RolloutTrainStep",
-           "StepRollouts", "Sums", "TokenScores", "TokenTerms", "TrainState", "TrainStep",
+__all__ = ["AGGREGATIONS", "OLD_POLICIES", "Batch", "GRPOConfig", "Metrics", "PromptBatch",
+           "RolloutTrainStep", "StepRollouts", "Sums", "TokenScores", "TokenTerms", "TrainState",
+           "TrainStep",
            "group_advantages", "grpo_loss", "init_train_state", "k3_kl", "make_rollout_train_step",
            "make_train_step", "rollout_train_step", "token_terms", "train_step", "trainer_logprobs"]

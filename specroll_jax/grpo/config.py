@@ -14,6 +14,7 @@ import optax
 from specroll_jax.sampling import SamplingConfig
 
 AGGREGATIONS = ("token_mean", "seq_mean")
+OLD_POLICIES = ("rollout", "trainer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +34,12 @@ class GRPOConfig:
     ramp keeps a few noisy GRPO batches from moving a small policy far.
   max_grad_norm: clip the global gradient norm to this (``optax.clip_by_global_norm``; inf = off).
   micro_batches: gradient-accumulation chunks per device and step (a ``lax.scan``).
+  old_policy: the ratio's old logprobs. "rollout": the rollout's own (they differ from the
+    trainer's by float rounding between forward shapes; the clip bounds what that mismatch can
+    do). "trainer": the trainer's, under ``stop_gradient`` (one update per batch, so the ratio is
+    exactly 1 and the update is A * grad logp): the update no longer depends on which engine
+    rolled out, so a speculative and a vanilla run give bit-identical parameters. The gap to the
+    rollout's logprobs is reported either way.
   sampling: how the policy samples; the trainer's logprobs use the same (temperature, top-k,
     top-p), docs/design.md, "No rollout/trainer mismatch".
   """
@@ -51,6 +58,7 @@ class GRPOConfig:
   adam_eps: float = 1e-8
   micro_batches: int = 1
   warmup_steps: int = 0
+  old_policy: str = "rollout"
   sampling: SamplingConfig = SamplingConfig()
 
   def __post_init__(self):
@@ -67,6 +75,9 @@ class GRPOConfig:
     _float(self, "adam_b1", 0.0, 1.0, hi_open=True)
     _float(self, "adam_b2", 0.0, 1.0, hi_open=True)
     _float(self, "adam_eps", 0.0, math.inf)
+    if self.old_policy not in OLD_POLICIES:
+      raise ValueError(f"GRPOConfig.old_policy must be one of {OLD_POLICIES}, got "
+                       f"{self.old_policy!r}")
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"GRPOConfig.aggregation must be one of {AGGREGATIONS}, got "
                        f"{self.aggregation!r}")

@@ -101,7 +101,8 @@ def micro_sums(config: ModelConfig, cfg: GRPOConfig, params, ref_params, mb: Bat
   def numerator(p):
     sc = trainer_logprobs(config, p, mb.prompt_tokens, mb.prompt_lengths, mb.tokens, mb.lengths,
                           cfg.sampling, kernels=kernels)
-    terms = _loss.token_terms(sc.logprobs, mb.logprobs, advantages, cfg, ref_logp)
+    old = mb.logprobs if cfg.old_policy == "rollout" else jax.lax.stop_gradient(sc.logprobs)
+    terms = _loss.token_terms(sc.logprobs, old, advantages, cfg, ref_logp)
     s = _loss.batch_sums(terms, sc.logprobs, mb.logprobs, sc.entropy, mb.lengths, mb.rewards,
                          cfg.aggregation)
     return s.objective, s
