@@ -45,12 +45,12 @@ def test_speculative_rollout_inside_user_jit(random_model):
 
 
 _SHARDED = textwrap.dedent("""
-    import json, os, sys
+    import functools, json, os, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
-    from specroll_jax import heads as H, models, rollout
+    from specroll_jax import heads as H, models, reflex, rollout
     from specroll_jax.kernels import Kernels
-    from specroll_jax.proposers import HeadsAndLookup
+    from specroll_jax.proposers import HeadsAndLookup, ReflexProposer
     assert jax.device_count() == 4, jax.devices()
     config = models.ModelConfig.tiny(vocab_size=64, max_position_embeddings=128)
     params = models.init_params(jax.random.key(0), config)
@@ -69,10 +69,13 @@ _SHARDED = textwrap.dedent("""
     args = [jnp.asarray(a) for a in (batch.tokens, batch.lengths, batch.sample_ids)]
     eos_a = jnp.asarray(batch.eos_ids)
 
-    def spec_fn(params, pp, tokens, lengths, sids):
+    def spec_fn(params, pp, tokens, lengths, sids, prop=prop):
       out = rollout.speculative_rollout(config, params, prop, pp, tokens, lengths, sids, eos_a,
                                         jnp.uint32(3), settings=settings, spec=spec)
       return out.tokens, out.lengths, out.logprobs
+    # Reflex with its records buffer (its conds' branches must agree on what varies per shard)
+    rcfg = reflex.ReflexConfig(record_capacity=64)
+    reflex_fn = functools.partial(spec_fn, prop=ReflexProposer(rcfg))
 
     def van_fn(params, tokens, lengths, sids):
       out = rollout.vanilla_rollout(config, params, tokens, lengths, sids, eos_a, jnp.uint32(3),
@@ -84,12 +87,15 @@ _SHARDED = textwrap.dedent("""
                                          out_specs=(d, d, d)))
     sharded_van = jax.jit(jax.shard_map(van_fn, mesh=mesh, in_specs=(P(), d, d, d),
                                         out_specs=(d, d, d)))
+    sharded_reflex = jax.jit(jax.shard_map(reflex_fn, mesh=mesh, in_specs=(P(), P(), d, d, d),
+                                           out_specs=(d, d, d)))
     a = sharded_spec(params, (hd, ()), *args)
+    c = sharded_reflex(params, (hd, reflex.init_global(rcfg)), *args)
     b = sharded_van(params, *args)
     ref = rollout.generate(config, params, prompts, max_new_tokens=24, seed=3, eos_ids=eos,
                            sample_ids=np.arange(16) * 3)
     res = {}
-    for name, got in (("spec", a), ("vanilla", b)):
+    for name, got in (("spec", a), ("vanilla", b), ("reflex", c)):
       res[name] = {"tokens": bool((np.asarray(got[0]) == np.asarray(ref.tokens)).all()),
                    "lengths": bool((np.asarray(got[1]) == np.asarray(ref.lengths)).all()),
                    "logprob_gap": float(np.abs(np.asarray(got[2]) - ref.logprobs).max())}
@@ -103,7 +109,7 @@ def test_rollouts_under_shard_map_on_4_devices(tmp_path):
   res = run_on_cpu_devices(tmp_path, _SHARDED)
   lens = np.array(res["lengths"])
   assert lens.min() < 24 and lens.max() == 24  # ragged: shards loop for different counts
-  for name in ("spec", "vanilla"):
+  for name in ("spec", "vanilla", "reflex"):
     assert res[name]["tokens"] and res[name]["lengths"], res
     assert res[name]["logprob_gap"] <= 1e-5, res
 

@@ -255,8 +255,9 @@ class ReflexProposer(Proposer):
     n_commit = fb.keep.sum(1).astype(jnp.float32)[:, None, None]  # [R, 1, 1]
     rho = jnp.asarray(cfg.rho, jnp.float32)[None, :, None]  # [1, K, 1]
 
-    def matured():
-      return self._mature(target, pend, fb, due, j, jc, n_commit, rho, shared.records)
+    def matured():  # (every leaf varying like the rows under a caller's shard_map, as idle's)
+      return vary_like(self._mature(target, pend, fb, due, j, jc, n_commit, rho, shared.records),
+                       pend.position, fb.position)
 
     def idle():  # nothing matures: what ``matured`` gives then, without computing it
       zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), jax.eval_shape(matured))
@@ -379,7 +380,7 @@ class ReflexProposer(Proposer):
       idx = jnp.nonzero(due.reshape(-1), size=m, fill_value=n_all)[0]  # padding: out of range
       take = lambda x: jnp.take(x.reshape((n_all,) + x.shape[3:]), idx, axis=0, mode="clip")
       mt = feedback(cfg, target, *(take(x) for x in args))
-      back = lambda x: jnp.zeros((n_all,) + x.shape[1:], x.dtype).at[idx].set(
+      back = lambda x: vary_like(jnp.zeros((n_all,) + x.shape[1:], x.dtype), x).at[idx].set(
           x, mode="drop").reshape(shape + x.shape[1:])
       return jax.tree.map(back, mt)
 
