@@ -142,8 +142,7 @@ def parse(argv):
                   help="smoke run: 2 GRPO steps, 3 batches of 2 x 2, 24 tokens, 4 arms")
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_warmup=0, grpo_prompts=1,
-                             grpo_group=2,
-                             grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
+                             grpo_group=2, grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
                              node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
                              ceiling_every=1, min_gap=0.0)
   if not 0 <= a.temperature < float("inf"):

@@ -36,6 +36,6 @@ from specroll_jax.grpo.step import (
 
 __all__ = ["AGGREGATIONS", "OLD_POLICIES", "Batch", "GRPOConfig", "Metrics", "PromptBatch",
            "RolloutTrainStep", "StepRollouts", "Sums", "TokenScores", "TokenTerms", "TrainState",
-           "TrainStep",
-           "group_advantages", "grpo_loss", "init_train_state", "k3_kl", "make_rollout_train_step",
-           "make_train_step", "rollout_train_step", "token_terms", "train_step", "trainer_logprobs"]
+           "TrainStep", "group_advantages", "grpo_loss", "init_train_state", "k3_kl",
+           "make_rollout_train_step", "make_train_step", "rollout_train_step", "token_terms",
+           "train_step", "trainer_logprobs"]

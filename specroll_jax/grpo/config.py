@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from specroll_jax._fields import check_int
 from specroll_jax.sampling import SamplingConfig
 
 AGGREGATIONS = ("token_mean", "seq_mean")
@@ -62,9 +63,9 @@ class GRPOConfig:
   sampling: SamplingConfig = SamplingConfig()
 
   def __post_init__(self):
-    _int(self, "group_size", 1)
-    _int(self, "micro_batches", 1)
-    _int(self, "warmup_steps", 0)
+    check_int(self, "group_size", 1)
+    check_int(self, "micro_batches", 1)
+    check_int(self, "warmup_steps", 0)
     _float(self, "clip_eps_low", 0.0, 1.0, hi_open=True)
     _float(self, "clip_eps_high", 0.0, math.inf)
     _float(self, "beta", 0.0, math.inf)
@@ -98,13 +99,6 @@ class GRPOConfig:
         optax.clip_by_global_norm(self.max_grad_norm),
         optax.adamw(self.learning_rate_schedule(), b1=self.adam_b1, b2=self.adam_b2,
                     eps=self.adam_eps, weight_decay=self.weight_decay))
-
-
-def _int(cfg, name: str, lo: int) -> None:
-  v = getattr(cfg, name)
-  if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-    raise ValueError(f"GRPOConfig.{name} must be an int >= {lo}, got {v!r}")
-  object.__setattr__(cfg, name, int(v))
 
 
 def _float(cfg, name: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,

@@ -380,7 +380,7 @@ class ReflexProposer(Proposer):
       idx = jnp.nonzero(due.reshape(-1), size=m, fill_value=n_all)[0]  # padding: out of range
       take = lambda x: jnp.take(x.reshape((n_all,) + x.shape[3:]), idx, axis=0, mode="clip")
       mt = feedback(cfg, target, *(take(x) for x in args))
-      back = lambda x: vary_like(jnp.zeros((n_all,) + x.shape[1:], x.dtype), x).at[idx].set(
+      back = lambda x: jnp.zeros((n_all,) + x.shape[1:], x.dtype).at[idx].set(
           x, mode="drop").reshape(shape + x.shape[1:])
       return jax.tree.map(back, mt)
 
