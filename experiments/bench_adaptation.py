@@ -32,6 +32,9 @@ uncalibrated table); every arm runs the same ``SpecConfig`` (--node-budget, or -
   (c) slow         slow path only ("degradation"; Reflex records but never corrects)
   (d) both         SpecRoll: Reflex + slow path ("degradation")
   (e) every_batch  slow path refitting every batch (FastGRPO-style), no Reflex corrections
+  (e') scheduled   Reflex + the slow path's budgeted schedule ("scheduled": --slow-steps steps on
+                   the head with the highest TV whenever 3 batches have passed and the refresh
+                   time so far fits in --slow-budget of the rollout time), not on degradation
   (f) ceiling      heads fitted from scratch on each policy's own rollouts of synthetic *train*
                    prompts (--ceiling-prompts, --ceiling-steps; every --ceiling-every-th policy,
                    reused in between): the ceiling, not a method; fitting time is reported, not
@@ -40,6 +43,10 @@ uncalibrated table); every arm runs the same ``SpecConfig`` (--node-budget, or -
   (h) merged       ``Merged(RankedHeads, GroupLookup)`` whose heads at batch b are arm (d)'s heads
                    at batch b: (d)'s slow-path heads, *not* its in-loop Reflex corrections (the
                    library has no Reflex + lookup proposer); (d) runs first
+The slow-path arms run ``SlowPathConfig.for_tests`` windows (a 41-batch replay, not thousands)
+with --calibration batches, a check every --slow-check-every batches, z > --slow-z and an
+acceptance drop of --slow-acc-drop, a reservoir of --slow-reservoir records and --slow-steps AdamW
+steps per refresh at --slow-lr.
 (g) and (h) score with a table calibrated online (``calibration``) from the batches before (host
 time charged as adaptation); --no-calibration keeps the priors.
 
@@ -56,9 +63,11 @@ excluded (a warm-up call per arm; the slow path's refresh compile is reported ap
 and a PNG beside it (tau per batch per arm; KL to step 0 and entropy per policy; recovered share).
 
 Cost on 2 CPU cores: a ceiling fit at the defaults (512 prompts, 1500 steps) takes about 50 s,
-once per --ceiling-every-th replayed policy (default every 2nd). --quick: 2 GRPO steps of 2 x 4
-saved at every step (3 policies), 3 batches of 2 x 2, 24 tokens, arms static, both, ceiling
-(16 prompts, 20 steps), lookup; its policies go to --policies (default ..._quick).
+once per --ceiling-every-th replayed policy (default every 2nd); fits are cached in
+--policies/ceiling, keyed by the policy and every setting the fit reads, so reruns refit nothing.
+--quick: 2 GRPO steps of 2 x 4 saved at every step (3 policies), 3 batches of 2 x 2, 24 tokens,
+arms static, both, ceiling (16 prompts, 20 steps), lookup; its policies go to --policies (default
+..._quick).
 """
 
 from __future__ import annotations
@@ -95,11 +104,13 @@ from specroll_jax.proposers.merged import Merged
 from specroll_jax.reflex import ReflexConfig
 from specroll_jax.sampling import allowed_logits
 
-ARMS = ("static", "reflex", "slow", "both", "every_batch", "ceiling", "lookup", "merged")
+ARMS = ("static", "reflex", "slow", "both", "every_batch", "scheduled", "ceiling", "lookup",
+        "merged")
 QUICK_ARMS = ("static", "both", "ceiling", "lookup")
 # the adaptation arms: (Reflex corrections, slow-path mode)
 ADAPT = {"static": (False, "off"), "reflex": (True, "off"), "slow": (False, "degradation"),
-         "both": (True, "degradation"), "every_batch": (False, "every_batch")}
+         "both": (True, "degradation"), "every_batch": (False, "every_batch"),
+         "scheduled": (True, "scheduled")}
 GRPO_TEMPERATURE = 1.0
 DEFAULT_POLICIES = "runs/bench_adaptation/policies"
 
@@ -125,6 +136,18 @@ def parse(argv):
   ap.add_argument("--batches", type=int, default=None,
                   help="replayed batches = policies 0..n-1 (default: every saved policy)")
   ap.add_argument("--slow-lr", type=float, default=1e-3)
+  ap.add_argument("--slow-reservoir", type=int, default=1536,
+                  help="slow-path reservoir records (all heads together)")
+  ap.add_argument("--slow-steps", type=int, default=10, help="optimiser steps per refresh")
+  ap.add_argument("--slow-check-every", type=int, default=2,
+                  help="slow-path batches per monitor check (records pooled over them)")
+  ap.add_argument("--slow-budget", type=float, default=0.05,
+                  help="arm scheduled: refresh time as a share of rollout time at most")
+  ap.add_argument("--slow-acc-drop", type=float, default=0.05,
+                  help="slow-path acceptance drop below the calibration median that a degraded "
+                       "check needs besides z (SlowPathConfig.acceptance_drop; -1: TV alone)")
+  ap.add_argument("--slow-z", type=float, default=1.0,
+                  help="slow-path z threshold on the heads' sparse TV (SlowPathConfig.z_threshold)")
   ap.add_argument("--calibration", type=int, default=6, help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=32)
   ap.add_argument("--nodes", type=int, default=None,
@@ -143,12 +166,19 @@ def parse(argv):
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_warmup=0, grpo_prompts=1,
                              grpo_group=2, grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
+                             slow_reservoir=2, slow_steps=1, slow_check_every=1,
                              node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
                              ceiling_every=1, min_gap=0.0)
   if not 0 <= a.temperature < float("inf"):
     cli.fail("--temperature", a.temperature, "must be a finite number >= 0")
   if not (a.grpo_lr > 0 and a.grpo_lr < float("inf")):
     cli.fail("--grpo-lr", a.grpo_lr, "must be a finite number > 0")
+  if not 0 <= a.slow_budget < float("inf"):
+    cli.fail("--slow-budget", a.slow_budget, "must be a finite number >= 0")
+  if not -1 <= a.slow_acc_drop <= 1:
+    cli.fail("--slow-acc-drop", a.slow_acc_drop, "must be a number in [-1, 1]")
+  if not -float("inf") < a.slow_z < float("inf"):
+    cli.fail("--slow-z", a.slow_z, "must be a finite number")
   if not (a.slow_lr > 0 and a.slow_lr < float("inf")):
     cli.fail("--slow-lr", a.slow_lr, "must be a finite number > 0")
   try:
@@ -377,6 +407,10 @@ def slow_config(a, mode: str) -> SP.SlowPathConfig:
   """CPU-sized windows (tens of batches, not thousands) and a learning rate for a tiny model's
   heads (the DESIGN default 1e-5 is for 1.5B-parameter heads trained at ~1e-4)."""
   return SP.SlowPathConfig.for_tests(mode=mode, learning_rate=a.slow_lr,
+                                     reservoir_size=a.slow_reservoir, refresh_steps=a.slow_steps,
+                                     check_every=a.slow_check_every, z_threshold=a.slow_z,
+                                     scheduled_steps=a.slow_steps, time_budget=a.slow_budget,
+                                     acceptance_drop=a.slow_acc_drop,
                                      calibration_batches=a.calibration)
 
 
@@ -452,14 +486,31 @@ class ProposerArm:
 
 def fit_ceilings(a, config, policies, tok, task, sampling, heads0) -> tuple[list, list, list]:
   """(heads, fit seconds, final per-head soft CE) per batch: heads fitted from scratch on policy
-  b's own rollouts of the task's *train* prompts, every --ceiling-every-th policy."""
+  b's own rollouts of the task's *train* prompts, every --ceiling-every-th policy. Each fit is
+  cached in --policies/ceiling (keyed by the policy's step and every setting the fit reads), so a
+  rerun on the same policies refits nothing; the fit seconds reported are the original fit's."""
   heads, secs, ce = [], [], []
+  cache = Path(a.policies) / "ceiling"
   for b in progress_range(a.batches, f"ceiling: fit heads on policies' own rollouts "
                                      f"({a.ceiling_prompts} prompts, {a.ceiling_steps} steps)"):
     if b % a.ceiling_every:
       heads.append(heads[-1])
       secs.append(0.0)
       ce.append(ce[-1])
+      continue
+    key = hashlib.sha1(json.dumps({
+        "step": policies.steps[b], "model": policies.metas[policies.steps[b]].get("model"),
+        "grpo": grpo_settings(a), "prompts": a.ceiling_prompts,
+        "fit_steps": a.ceiling_steps, "max_new_tokens": a.max_new_tokens,
+        "sampling": repr(sampling), "seed": a.seed, "level": a.level,
+        "num_heads": heads0.num_heads, "width": heads0.width}, sort_keys=True).encode())
+    file = cache / f"step{policies.steps[b]:05d}_{key.hexdigest()[:12]}.safetensors"
+    side = file.with_suffix(".json")
+    if file.exists() and side.exists():
+      heads.append(_commit(CH.load(file)))
+      info = json.loads(side.read_text())
+      secs.append(info["fit_seconds"])
+      ce.append(info["final_soft_ce"])
       continue
     t0 = time.perf_counter()
     params = policies.get(b)
@@ -472,6 +523,11 @@ def fit_ceilings(a, config, policies, tok, task, sampling, heads0) -> tuple[list
     heads.append(hd)
     secs.append(time.perf_counter() - t0)
     ce.append(np.asarray(hist[-1]).tolist())
+    cache.mkdir(parents=True, exist_ok=True)
+    CH.save(file, hd)
+    tmp = side.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"fit_seconds": secs[-1], "final_soft_ce": ce[-1]}))
+    tmp.replace(side)
   return heads, secs, ce
 
 

@@ -53,6 +53,9 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
   assert all(x["kl_to_step0"] > 0 and x["param_change"] > 0 for x in p[1:])
   assert all(np.isfinite(x["entropy"]) and x["entropy"] >= 0 for x in p)
   assert data["ceiling"]["fit_seconds"][0] > 0
+  # the ceiling's fits are cached beside the policies: a second fit reads them back bit for bit
+  cached = sorted((pol / "ceiling").glob("*.safetensors"))
+  assert len(cached) == 2  # policies 0 and 2 (every 2nd)
   assert {g["status"] for g in data["goals"]} <= {"PASS", "MISS", "SKIP"}
   assert res["summary"].keys() == data["summary"].keys()
   # a second run reuses the complete sequence (same model and settings): no GRPO step
@@ -62,6 +65,14 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
   again = mod.ensure_policies(a, config, params, tok, mod.model_identity(params, path))
   assert "reusing the 3 saved policies" in capsys.readouterr().out
   assert again.steps == [0, 1, 2]
+  sampling = mod.rollout.SamplingConfig(temperature=a.temperature)
+  heads0 = pipeline.default_heads(config, params, tok, path, conditioned=True)
+  monkeypatch.setattr(mod.CH, "fit", None)  # a refit would fail: every fit comes from the cache
+  hs, secs, _ = mod.fit_ceilings(a, config, again, tok, mod.Task(name="synthetic", level=a.level),
+                                 sampling, heads0)
+  assert secs == data["ceiling"]["fit_seconds"]
+  assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
+      jax.tree.leaves(hs[0]), jax.tree.leaves(mod.CH.load(cached[0])), strict=True))
   first = jax.tree.leaves(again.get(0))
   assert all(np.array_equal(np.asarray(x), np.asarray(y))
              for x, y in zip(first, jax.tree.leaves(params), strict=True))
