@@ -45,8 +45,9 @@ uncalibrated table); every arm runs the same ``SpecConfig`` (--node-budget, or -
                    library has no Reflex + lookup proposer); (d) runs first
 The slow-path arms run ``SlowPathConfig.for_tests`` windows (a 41-batch replay, not thousands)
 with --calibration batches, a check every --slow-check-every batches, z > --slow-z and an
-acceptance drop of --slow-acc-drop, a reservoir of --slow-reservoir records and --slow-steps AdamW
-steps per refresh at --slow-lr.
+acceptance drop of --slow-acc-drop (--slow-signal tv; with regret: a rise of the acceptance the
+tree leaves on the table), a reservoir of --slow-reservoir records and --slow-steps AdamW steps
+per refresh at --slow-lr.
 (g) and (h) score with a table calibrated online (``calibration``) from the batches before (host
 time charged as adaptation); --no-calibration keeps the priors.
 
@@ -143,6 +144,8 @@ def parse(argv):
                   help="slow-path batches per monitor check (records pooled over them)")
   ap.add_argument("--slow-budget", type=float, default=0.05,
                   help="arm scheduled: refresh time as a share of rollout time at most")
+  ap.add_argument("--slow-signal", choices=SP.SIGNALS, default="tv",
+                  help="what the slow-path monitor watches (SlowPathConfig.signal)")
   ap.add_argument("--slow-acc-drop", type=float, default=0.05,
                   help="slow-path acceptance drop below the calibration median that a degraded "
                        "check needs besides z (SlowPathConfig.acceptance_drop; -1: TV alone)")
@@ -410,7 +413,7 @@ def slow_config(a, mode: str) -> SP.SlowPathConfig:
                                      reservoir_size=a.slow_reservoir, refresh_steps=a.slow_steps,
                                      check_every=a.slow_check_every, z_threshold=a.slow_z,
                                      scheduled_steps=a.slow_steps, time_budget=a.slow_budget,
-                                     acceptance_drop=a.slow_acc_drop,
+                                     acceptance_drop=a.slow_acc_drop, signal=a.slow_signal,
                                      calibration_batches=a.calibration)
 
 

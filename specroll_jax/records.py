@@ -98,3 +98,19 @@ def merge(reservoir: Records, batch: Records) -> Records:
   ordered = batch.replace(**{f: take(getattr(batch, f)) for f in FIELDS + ("valid",)
                              if getattr(batch, f) is not None})
   return write(reservoir, ordered, ordered.valid)
+
+
+def regret(rec: Records) -> Float[Array, "K C"]:
+  """Per record, the target mass its candidates miss against the target's own best candidates of
+  the same number: sum of the ``n`` largest target probabilities on the support minus the target
+  mass on the candidates (n = candidates present). In [0, 1]; 0 where the tree proposed the
+  target's top tokens, and 0 for a record without candidates. The support holds the target's top
+  ids (``reflex.feedback``), so the top ``n`` are on it when n is at most their number."""
+  used = rec.support >= 0
+  mass = jnp.where(used, rec.p, 0.0) * (1.0 - rec.p_tail)[..., None]  # [K, C, S]
+  on_c = used & ((rec.support[..., :, None] == rec.candidates[..., None, :])
+                 & (rec.candidates[..., None, :] >= 0)).any(-1)
+  n = (rec.candidates >= 0).sum(-1)  # [K, C]
+  ranked = -jnp.sort(-mass, axis=-1)
+  best = jnp.where(jnp.arange(mass.shape[-1]) < n[..., None], ranked, 0.0).sum(-1)
+  return jnp.clip(best - jnp.where(on_c, mass, 0.0).sum(-1), 0.0, 1.0)

@@ -146,6 +146,45 @@ def test_monitor_quiet_on_noise_and_on_a_one_batch_dip():
   assert out[15][0] == "degraded" and out[17][0] == "healthy"  # one degraded check, then reset
 
 
+def test_monitor_regret_signal_fires_when_acceptance_holds_and_regret_rises():
+  """A policy that gets easier: the heads' acceptance stays, the mass they leave on the table
+  rises. The TV signal needs an acceptance drop and stays quiet; the regret signal fires."""
+  rises = lambda b: (np.array([0.0, 0.10, 0.0]) if b >= 11 else np.zeros(K), np.zeros(K))
+  _, out = run_monitor(MON_CFG, rises, 30)
+  assert not fires(out)
+  _, out = run_monitor(MON_CFG.replace(signal="regret"), rises, 30)
+  assert fires(out)[0] == (14, [1])
+  _, out = run_monitor(MON_CFG.replace(signal="regret"), lambda b: (np.zeros(K), np.zeros(K)),
+                       80, seed=1)
+  assert not fires(out)  # noise alone: quiet
+
+
+def test_regret_matches_numpy():
+  rng = np.random.default_rng(3)
+  k, c, s, kc = 3, 7, 6, 3
+  ids = np.stack([np.stack([rng.permutation(50)[:s] for _ in range(c)]) for _ in range(k)])
+  ids[0, 0, 4:] = -1  # unused support entries
+  p = rng.random((k, c, s)) * (ids >= 0)
+  p = p / p.sum(-1, keepdims=True)
+  tail = rng.random((k, c)) * 0.3
+  cand = np.where(rng.random((k, c, kc)) < 0.7, ids[..., rng.integers(0, s, kc)],
+                  60 + np.arange(kc))
+  cand[1, 2] = -1  # a record without candidates
+  cand[2, 3, 1:] = -1
+  rec = records_lib.empty(k, c, 4, s, kc).replace(
+      support=jnp.asarray(ids, jnp.int32), p=jnp.asarray(p, jnp.float32),
+      p_tail=jnp.asarray(tail, jnp.float32), candidates=jnp.asarray(cand, jnp.int32))
+  got = np.asarray(records_lib.regret(rec))
+  for a in range(k):
+    for b in range(c):
+      mass = {int(t): p[a, b, j] * (1 - tail[a, b]) for j, t in enumerate(ids[a, b]) if t >= 0}
+      cs = [int(t) for t in cand[a, b] if t >= 0]
+      best = sum(sorted(mass.values(), reverse=True)[:len(cs)])
+      on = sum(mass.get(t, 0.0) for t in set(cs))
+      np.testing.assert_allclose(got[a, b], np.clip(best - on, 0, 1), atol=1e-6)
+  assert got[1, 2] == 0.0 and (got >= 0).all() and (got <= 1).all()
+
+
 def test_monitor_needs_records_and_an_acceptance_drop():
   # 5 records per batch: the check at 12 has 10 < 16 records; the window grows to the next check
   m, out = run_monitor(MON_CFG, sustained(), 14, records=5)
@@ -344,6 +383,8 @@ def test_bad_input_raises_value_error_naming_it(tiny):
     sp.SlowPathConfig(mode="sometimes")
   with pytest.raises(ValueError, match="patience must be an int >= 1"):
     sp.SlowPathConfig(patience=0)
+  with pytest.raises(ValueError, match="signal must be one of"):
+    sp.SlowPathConfig(signal="kl")
   with pytest.raises(ValueError, match="reservoir_size"):
     sp.init(sp.SlowPathConfig(reservoir_size=12), student, support_size=S, num_candidates=KC)
   state = sp.init(MON_CFG, student, support_size=S, num_candidates=KC)

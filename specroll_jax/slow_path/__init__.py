@@ -43,7 +43,7 @@ from specroll_jax import records as records_lib
 from specroll_jax.heads import Heads
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.records import Records
-from specroll_jax.slow_path.config import MODES, REASONS, SlowPathConfig
+from specroll_jax.slow_path.config import MODES, REASONS, SIGNALS, SlowPathConfig
 from specroll_jax.slow_path.monitor import batch_stats, monitor_init, monitor_update
 from specroll_jax.slow_path.retrain import (
   _compiled_refresh,
@@ -99,7 +99,7 @@ def init(cfg: SlowPathConfig, heads: Heads, *, support_size: int,
 
 
 def _observe(cfg, state: SlowPathState, batch: Records, acceptance, rollout_seconds):
-  tv, n = batch_stats(batch)
+  tv, n = batch_stats(batch, cfg.signal)
   reservoir = records_lib.merge(state.reservoir, batch)
   monitor, decision = monitor_update(cfg, state.monitor, tv, acceptance, n, rollout_seconds)
   return state.replace(reservoir=reservoir, monitor=monitor), decision, tv, n
@@ -184,6 +184,7 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   d, tv, n = jax.device_get((decision, tv, n))
   fl = lambda x: [float(v) for v in np.asarray(x)]
   report = {"batch": int(jax.device_get(state.monitor.batches)), "mode": cfg.mode,
+            "signal": cfg.signal,  # "tv" below holds this signal's batch means
             "decision": REASONS[int(d.reason)], "steps": int(d.steps) if d.refresh.any() else 0,
             "z": fl(d.z), "tv": fl(tv),
             "acceptance": fl(acc), "records": [int(v) for v in n], "heads": [], "kept": [],
@@ -208,7 +209,7 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   return state, new_heads, report
 
 
-__all__ = ["MODES", "REASONS", "Decision", "Evaluation", "MonitorState", "RefreshResult",
+__all__ = ["MODES", "REASONS", "SIGNALS", "Decision", "Evaluation", "MonitorState", "RefreshResult",
            "SlowPathConfig", "SlowPathState", "after_batch", "batch_stats", "evaluate",
            "holdout_slots", "init", "keep_rule", "monitor_init", "monitor_update", "optimizer",
            "refresh", "refresh_compiles", "refresh_jit"]

@@ -8,6 +8,7 @@ import math
 from specroll_jax._fields import check_float, check_int
 
 MODES = ("degradation", "scheduled", "every_batch", "off")
+SIGNALS = ("tv", "regret")
 
 # Why the monitor decided what it did (Decision.reason indexes this tuple).
 REASONS = ("off", "calibrating", "waiting", "healthy", "too_few_records", "degraded", "cooldown",
@@ -33,8 +34,15 @@ class SlowPathConfig:
   check_every: batches between two checks once calibrated.
   min_records: records a head needs since its last check to be checked (fewer: the window grows).
   mad_scale, min_scale: robust scale = max(mad_scale * MAD, min_scale).
-  z_threshold, acceptance_drop: degraded when z > z_threshold and acceptance fell by at least
-    acceptance_drop from the calibration median.
+  signal: the per-record statistic the monitor watches. "tv": the sparse TV between the head and
+    the target; a check is degraded when z > z_threshold and the window's acceptance fell at least
+    acceptance_drop below the calibration median. "regret": the target mass the tree's
+    candidates at the head's depth miss against the target's own top candidates of the same number
+    (``records.regret``: acceptance left on the table, from the records' exact p, no sampling
+    noise); degraded when z > z_threshold and the window's regret rose at least acceptance_drop
+    above the calibration median. It also sees a policy that gets easier to predict while the
+    heads stay as they were (their acceptance does not fall, the target's own top mass rises).
+  z_threshold, acceptance_drop: see ``signal``.
   patience: consecutive degraded checks before a head fires.
   max_heads: heads refreshed at most per firing (the highest z).
   cooldown_batches: batches after a refresh during which no other refresh fires ("degradation").
@@ -65,6 +73,7 @@ class SlowPathConfig:
   min_records: int = 1024
   mad_scale: float = 1.4826
   min_scale: float = 0.01
+  signal: str = "tv"
   z_threshold: float = 2.5
   acceptance_drop: float = 0.05
   patience: int = 2
@@ -93,6 +102,8 @@ class SlowPathConfig:
   def __post_init__(self):
     if self.mode not in MODES:
       raise ValueError(f"SlowPathConfig.mode must be one of {MODES}, got {self.mode!r}")
+    if self.signal not in SIGNALS:
+      raise ValueError(f"SlowPathConfig.signal must be one of {SIGNALS}, got {self.signal!r}")
     check_int(self, "reservoir_size", 2)
     check_float(self, "holdout_fraction", 0.0, 0.5, lo_open=True)
     for name in ("calibration_batches", "check_every", "patience", "max_heads",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from specroll_jax import records as records_lib
 from specroll_jax.records import Records
 from specroll_jax.slow_path.config import _R, SlowPathConfig
 from specroll_jax.slow_path.state import Decision, MonitorState
@@ -25,13 +26,16 @@ def monitor_init(cfg: SlowPathConfig, num_heads: int) -> MonitorState:
 
 
 
-def batch_stats(batch: Records) -> tuple[Float[Array, " K"], Float[Array, " K"]]:
-  """(mean TV of the batch buffer's valid records [K] (NaN: none), records matured [K]). The
+def batch_stats(batch: Records, signal: str = "tv"
+                ) -> tuple[Float[Array, " K"], Float[Array, " K"]]:
+  """(mean of the monitor's per-record statistic over the batch buffer's valid records [K] (NaN:
+  none): the sparse TV, or with ``signal="regret"`` ``records.regret``; records matured [K]). The
   count is ``batch.count``: a per-batch ring that wrapped still counts every matured record."""
   v = batch.valid.astype(jnp.float32)
   n_valid = v.sum(1)
-  tv = jnp.where(n_valid > 0, (batch.tv * v).sum(1) / jnp.maximum(n_valid, 1), jnp.nan)
-  return tv, batch.count.astype(jnp.float32)
+  x = batch.tv if signal == "tv" else records_lib.regret(batch)
+  stat = jnp.where(n_valid > 0, (x * v).sum(1) / jnp.maximum(n_valid, 1), jnp.nan)
+  return stat, batch.count.astype(jnp.float32)
 
 
 def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
@@ -71,7 +75,11 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
   scale = jnp.maximum(cfg.mad_scale * tv_mad, cfg.min_scale)
   z_now = (window_tv / jnp.maximum(window_n, 1.0) - tv_median) / scale
   acc_now = jnp.where(window_acc_n > 0, window_acc / jnp.maximum(window_acc_n, 1.0), jnp.nan)
-  degraded = checked & (z_now > cfg.z_threshold) & (acc_baseline - acc_now >= cfg.acceptance_drop)
+  if cfg.signal == "tv":  # the heads' acceptance fell
+    worse = acc_baseline - acc_now >= cfg.acceptance_drop
+  else:  # the acceptance the heads leave on the table rose
+    worse = window_tv / jnp.maximum(window_n, 1.0) - tv_median >= cfg.acceptance_drop
+  degraded = checked & (z_now > cfg.z_threshold) & worse
   consecutive = jnp.where(checked, jnp.where(degraded, m.consecutive + 1, 0), m.consecutive)
   z = jnp.where(checked, z_now, m.z)
   reset = lambda x: jnp.where(checked, 0.0, x)
