@@ -100,6 +100,11 @@ def merge(reservoir: Records, batch: Records) -> Records:
   return write(reservoir, ordered, ordered.valid)
 
 
+def member(ids, sets) -> Bool[Array, "..."]:
+  """ids [.., U], sets [.., C] (-1 = none) -> [.., U]: ids[u] is in sets."""
+  return ((ids[..., :, None] == sets[..., None, :]) & (sets[..., None, :] >= 0)).any(-1)
+
+
 def regret(rec: Records) -> Float[Array, "K C"]:
   """Per record, the target mass its candidates miss against the target's own best candidates of
   the same number: sum of the ``n`` largest target probabilities on the support minus the target
@@ -108,8 +113,7 @@ def regret(rec: Records) -> Float[Array, "K C"]:
   ids (``reflex.feedback``), so the top ``n`` are on it when n is at most their number."""
   used = rec.support >= 0
   mass = jnp.where(used, rec.p, 0.0) * (1.0 - rec.p_tail)[..., None]  # [K, C, S]
-  on_c = used & ((rec.support[..., :, None] == rec.candidates[..., None, :])
-                 & (rec.candidates[..., None, :] >= 0)).any(-1)
+  on_c = used & member(rec.support, rec.candidates)
   n = (rec.candidates >= 0).sum(-1)  # [K, C]
   ranked = -jnp.sort(-mass, axis=-1)
   best = jnp.where(jnp.arange(mass.shape[-1]) < n[..., None], ranked, 0.0).sum(-1)

@@ -17,7 +17,7 @@ from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.heads import effective_topk
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.reflex.config import _TINY, ReflexConfig
-from specroll_jax.reflex.feedback import _Matured, _member, feedback
+from specroll_jax.reflex.feedback import _Matured, feedback
 from specroll_jax.reflex.state import (
   FastState,
   Pending,
@@ -340,7 +340,7 @@ class ReflexProposer(Proposer):
     weight = jnp.where(use, (1 - rho) * mt.severity * rho ** (n_commit - 1 - j), 0.0)
     dm = jnp.einsum("rks,rksd->rkd", weight, unit)
     # records for the slow path
-    hit = _member(token[..., None], pend.cand)[..., 0]
+    hit = _records.member(token[..., None], pend.cand)[..., 0]
     if records is not None:
       kflat = lambda x: jnp.swapaxes(x, 0, 1).reshape((k, r * s) + x.shape[3:])
       batch = _records.Records(

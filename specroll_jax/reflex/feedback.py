@@ -12,6 +12,7 @@ from jaxtyping import Array, Float, Int
 
 from specroll_jax import records as _records
 from specroll_jax.models import decoder as _dec
+from specroll_jax.records import member as _member
 from specroll_jax.reflex.config import ReflexConfig
 from specroll_jax.sampling import inverse_temperature
 
@@ -22,11 +23,6 @@ def _first_occurrence(ids):
   same = ids[..., :, None] == ids[..., None, :]  # [.., U, U]
   earlier = jnp.tril(jnp.ones((u, u), bool), k=-1)
   return (ids >= 0) & ~(same & earlier).any(-1)
-
-
-def _member(ids, sets):
-  """ids [.., U], sets [.., C] (-1 = none) -> ids[u] in sets."""
-  return ((ids[..., :, None] == sets[..., None, :]) & (sets[..., None, :] >= 0)).any(-1)
 
 
 def _unembed_rows(config, params, ids):

@@ -73,12 +73,13 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
   is_check = post & ((b - nb) % cfg.check_every == 0)
   checked = is_check & (window_n >= max(cfg.min_records, 1))
   scale = jnp.maximum(cfg.mad_scale * tv_mad, cfg.min_scale)
-  z_now = (window_tv / jnp.maximum(window_n, 1.0) - tv_median) / scale
+  rise = window_tv / jnp.maximum(window_n, 1.0) - tv_median  # the window's signal over baseline
+  z_now = rise / scale
   acc_now = jnp.where(window_acc_n > 0, window_acc / jnp.maximum(window_acc_n, 1.0), jnp.nan)
   if cfg.signal == "tv":  # the heads' acceptance fell
     worse = acc_baseline - acc_now >= cfg.acceptance_drop
   else:  # the acceptance the heads leave on the table rose
-    worse = window_tv / jnp.maximum(window_n, 1.0) - tv_median >= cfg.acceptance_drop
+    worse = rise >= cfg.acceptance_drop
   degraded = checked & (z_now > cfg.z_threshold) & worse
   consecutive = jnp.where(checked, jnp.where(degraded, m.consecutive + 1, 0), m.consecutive)
   z = jnp.where(checked, z_now, m.z)
