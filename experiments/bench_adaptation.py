@@ -22,11 +22,15 @@ Phase 2, replay. Batch b: --prompts fresh synthetic *test* prompts x --group (sa
 index * G + member, ``pipeline.grpo_batch``), one fixed width, seed --seed, rolled out by policy b
 at --temperature. Every arm replays the same batches against the same policies, so every arm
 commits the vanilla tokens (checked: "same") and the arms differ only in how they propose. The
-heads arms start from the root-conditioned heads shipped beside the model (fitted on step 0's own
-rollouts) and propose with the same ranked expansion (``ReflexConfig``'s topk / beams / max_nodes,
-uncalibrated table); every arm runs the same ``SpecConfig`` (--node-budget, or --nodes per row).
+heads arms start from root-conditioned heads fitted on step 0: by default (--start-heads ceiling)
+the ceiling's own fit of step 0 (below), so (a) and (f) share one recipe and the (a)-(f) gap is
+the drift alone (0 at batch 0); --start-heads shipped starts from the heads shipped beside the
+model (fitted on step 0's own rollouts with the shipping recipe). Every heads arm proposes with the
+same ranked expansion (``ReflexConfig``'s topk / beams / max_nodes, uncalibrated table); every arm
+runs the same ``SpecConfig`` (--node-budget, or --nodes per row). --no-drift replays the step-0
+policy in every batch: a null run, where any slow-path refresh is a false alarm.
 
-  (a) static       the shipped heads, never changed (``adaptation`` with corrections and the slow
+  (a) static       the step-0 heads, never changed (``adaptation`` with corrections and the slow
                    path off: the plain ``RankedHeads`` proposer)
   (b) reflex       Reflex fast path only (slow path off)
   (c) slow         slow path only ("degradation"; Reflex records but never corrects)
@@ -47,7 +51,9 @@ The slow-path arms run ``SlowPathConfig.for_tests`` windows (a 41-batch replay, 
 with --calibration batches, a check every --slow-check-every batches, z > --slow-z and an
 acceptance drop of --slow-acc-drop (--slow-signal tv; with regret: a rise of the acceptance the
 tree leaves on the table), a reservoir of --slow-reservoir records and --slow-steps AdamW steps
-per refresh at --slow-lr.
+per refresh at --slow-lr. Reflex gives feedback, and the slow path its records, every
+ceil(--reflex-stride-rows x active / batch rows) steps (default 1: every step of a full batch; the
+library's default 4 thins the records fourfold).
 (g) and (h) score with a table calibrated online (``calibration``) from the batches before (host
 time charged as adaptation); --no-calibration keeps the priors.
 
@@ -137,10 +143,10 @@ def parse(argv):
   ap.add_argument("--batches", type=int, default=None,
                   help="replayed batches = policies 0..n-1 (default: every saved policy)")
   ap.add_argument("--slow-lr", type=float, default=1e-3)
-  ap.add_argument("--slow-reservoir", type=int, default=1536,
+  ap.add_argument("--slow-reservoir", type=int, default=4608,
                   help="slow-path reservoir records (all heads together)")
   ap.add_argument("--slow-steps", type=int, default=10, help="optimiser steps per refresh")
-  ap.add_argument("--slow-check-every", type=int, default=2,
+  ap.add_argument("--slow-check-every", type=int, default=1,
                   help="slow-path batches per monitor check (records pooled over them)")
   ap.add_argument("--slow-budget", type=float, default=0.05,
                   help="arm scheduled: refresh time as a share of rollout time at most")
@@ -149,8 +155,11 @@ def parse(argv):
   ap.add_argument("--slow-acc-drop", type=float, default=0.05,
                   help="slow-path acceptance drop below the calibration median that a degraded "
                        "check needs besides z (SlowPathConfig.acceptance_drop; -1: TV alone)")
-  ap.add_argument("--slow-z", type=float, default=1.0,
+  ap.add_argument("--slow-z", type=float, default=0.5,
                   help="slow-path z threshold on the heads' sparse TV (SlowPathConfig.z_threshold)")
+  ap.add_argument("--reflex-stride-rows", type=float, default=1.0,
+                  help="Reflex feedback (and so slow-path records) every ceil(x * active rows / "
+                       "batch rows) steps (ReflexConfig.stride_rows; the library default is 4)")
   ap.add_argument("--calibration", type=int, default=6, help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=32)
   ap.add_argument("--nodes", type=int, default=None,
@@ -160,6 +169,12 @@ def parse(argv):
   ap.add_argument("--ceiling-steps", type=int, default=1500)
   ap.add_argument("--ceiling-every", type=int, default=2,
                   help="fit the ceiling's heads on every k-th policy (reused in between)")
+  ap.add_argument("--start-heads", choices=("shipped", "ceiling"), default="ceiling",
+                  help="the heads every heads arm starts from: the shipped heads, or the "
+                       "ceiling's own fit on step 0 (same recipe as (f): the gap is drift alone)")
+  ap.add_argument("--no-drift", action="store_true",
+                  help="a null run: every batch replays the step-0 policy (the gap is noise, any "
+                       "slow-path refresh a false alarm)")
   ap.add_argument("--min-gap", type=float, default=0.05,
                   help="recovery counts batches where tau_ceiling - tau_static exceeds this")
   ap.add_argument("--no-calibration", action="store_true",
@@ -180,6 +195,8 @@ def parse(argv):
     cli.fail("--slow-budget", a.slow_budget, "must be a finite number >= 0")
   if not -1 <= a.slow_acc_drop <= 1:
     cli.fail("--slow-acc-drop", a.slow_acc_drop, "must be a number in [-1, 1]")
+  if not 0 < a.reflex_stride_rows < float("inf"):
+    cli.fail("--reflex-stride-rows", a.reflex_stride_rows, "must be a finite number > 0")
   if not -float("inf") < a.slow_z < float("inf"):
     cli.fail("--slow-z", a.slow_z, "must be a finite number")
   if not (a.slow_lr > 0 and a.slow_lr < float("inf")):
@@ -260,11 +277,16 @@ class Policies:
     self._cache = {}
 
   def get(self, i: int):
-    if i not in self._cache:
+    step = self.steps[i]
+    if step not in self._cache:
       if not self.keep_all:
         self._cache.clear()
-      self._cache[i] = self.ckpt.restore(self.steps[i], like=self.like)[0]
-    return self._cache[i]
+      self._cache[step] = self.ckpt.restore(step, like=self.like)[0]
+    return self._cache[step]
+
+  def frozen(self) -> Policies:
+    """The same number of policies, every one the first (--no-drift)."""
+    return Policies(self.ckpt, [self.steps[0]] * len(self.steps), self.like, self.metas)
 
 
 def ensure_policies(a, config, params, tok, ident) -> Policies:
@@ -456,7 +478,7 @@ class AdaptArm:
     info = {"reflex": rep.get("reflex"), "safety": rep.get("safety")}
     if slow:
       info["slow"] = {k: slow.get(k) for k in ("decision", "heads", "kept", "rolled_back",
-                                               "refresh_seconds")}
+                                               "refresh_seconds", "z", "tv", "records")}
     return float(rep["adaptation_seconds"]) - comp, comp, info
 
 
@@ -487,14 +509,15 @@ class ProposerArm:
     return time.perf_counter() - t0, 0.0, {}
 
 
-def fit_ceilings(a, config, policies, tok, task, sampling, heads0) -> tuple[list, list, list]:
+def fit_ceilings(a, config, policies, tok, task, sampling, heads0,
+                 batches: int) -> tuple[list, list, list]:
   """(heads, fit seconds, final per-head soft CE) per batch: heads fitted from scratch on policy
   b's own rollouts of the task's *train* prompts, every --ceiling-every-th policy. Each fit is
   cached in --policies/ceiling (keyed by the policy's step and every setting the fit reads), so a
   rerun on the same policies refits nothing; the fit seconds reported are the original fit's."""
   heads, secs, ce = [], [], []
   cache = Path(a.policies) / "ceiling"
-  for b in progress_range(a.batches, f"ceiling: fit heads on policies' own rollouts "
+  for b in progress_range(batches, f"ceiling: fit heads on policies' own rollouts "
                                      f"({a.ceiling_prompts} prompts, {a.ceiling_steps} steps)"):
     if b % a.ceiling_every:
       heads.append(heads[-1])
@@ -546,6 +569,8 @@ def main(argv=None):
     cli.fail("--model", a.model, _one_line(e))
   ident = model_identity(params, path)
   policies = ensure_policies(a, config, params, tok, ident)
+  if a.no_drift:
+    policies = policies.frozen()
   _release()
   task = Task(name="synthetic", level=a.level)
   sampling = rollout.SamplingConfig(temperature=a.temperature)
@@ -560,7 +585,7 @@ def main(argv=None):
   n_buckets = len(rollout.SpecConfig().bucket_fractions)
   spec = rollout.SpecConfig(node_budget=a.node_budget,
                             nodes=None if a.nodes is None else (a.nodes,) * n_buckets)
-  rcfg = ReflexConfig(topk=spec.topk, conditioned=True)
+  rcfg = ReflexConfig(topk=spec.topk, conditioned=True, stride_rows=a.reflex_stride_rows)
   batches, width = replay_batches(a, tok, task)
   kw = lambda b: dict(sampling=sampling, max_new_tokens=a.max_new_tokens, seed=a.seed,
                       sample_ids=batches[b][1], eos_ids=tok.eos_ids,
@@ -585,11 +610,15 @@ def main(argv=None):
                 "grpo": m.get("metrics")})
   _release()
   ceiling = None
-  if "ceiling" in a.arms:
-    c_heads, c_secs, c_ce = fit_ceilings(a, config, policies, tok, task, sampling, heads0)
-    ceiling = {"fit_seconds": c_secs, "final_soft_ce": c_ce, "every": a.ceiling_every,
-               "prompts": a.ceiling_prompts, "steps": a.ceiling_steps}
+  if "ceiling" in a.arms or a.start_heads == "ceiling":  # without arm ceiling: step 0's fit only
+    c_heads, c_secs, c_ce = fit_ceilings(a, config, policies, tok, task, sampling, heads0,
+                                         a.batches if "ceiling" in a.arms else 1)
+    if "ceiling" in a.arms:
+      ceiling = {"fit_seconds": c_secs, "final_soft_ce": c_ce, "every": a.ceiling_every,
+                 "prompts": a.ceiling_prompts, "steps": a.ceiling_steps}
     _release()
+    if a.start_heads == "ceiling":
+      heads0 = c_heads[0]
   ranked = ReflexProposer(rcfg).ranked
   gl = GroupLookup(group_size=a.group)
   mg = Merged(heads=ranked, lookup=gl, max_nodes=rcfg.max_nodes)
@@ -799,9 +828,10 @@ def report(results, pol, van_s, a) -> tuple[dict, list]:
         f"{pol[-1]['kl_to_step0']:.4f}, entropy {pol[0]['entropy']:.3f} -> "
         f"{pol[-1]['entropy']:.3f}, parameter change {pol[-1]['param_change']:.2e}")
   if gap is not None:
-    print(f"gap tau_ceiling - tau_static: batch 0 {gap[0]:+.3f} (before any drift: the ceiling's "
-          f"recipe vs the shipped heads), mean {gap.mean():+.3f}, {int(qual.sum())}/{len(gap)} "
-          f"batches above {a.min_gap}")
+    why = ("the same heads" if a.start_heads == "ceiling"
+           else "the ceiling's recipe vs the shipped heads")
+    print(f"gap tau_ceiling - tau_static: batch 0 {gap[0]:+.3f} (before any drift: {why}), "
+          f"mean {gap.mean():+.3f}, {int(qual.sum())}/{len(gap)} batches above {a.min_gap}")
   goals = goals_of(summary, results, pol, a)
   for x in goals:
     print(f"{x['status']}  {x['goal']}: {x['detail']}")

@@ -53,6 +53,12 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
   assert all(x["kl_to_step0"] > 0 and x["param_change"] > 0 for x in p[1:])
   assert all(np.isfinite(x["entropy"]) and x["entropy"] >= 0 for x in p)
   assert data["ceiling"]["fit_seconds"][0] > 0
+  # --start-heads ceiling (the default): the heads arms start from the ceiling's step-0 fit, so
+  # at batch 0 (policy 0, the same heads) static and ceiling propose alike
+  assert data["meta"]["args"]["start_heads"] == "ceiling"
+  s0, c0 = data["arms"]["static"][0], data["arms"]["ceiling"][0]
+  assert (s0["tau"], s0["forwards"], s0["acceptance"]) == (c0["tau"], c0["forwards"],
+                                                            c0["acceptance"])
   # the ceiling's fits are cached beside the policies: a second fit reads them back bit for bit
   cached = sorted((pol / "ceiling").glob("*.safetensors"))
   assert len(cached) == 2  # policies 0 and 2 (every 2nd)
@@ -69,13 +75,18 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
   heads0 = pipeline.default_heads(config, params, tok, path, conditioned=True)
   monkeypatch.setattr(mod.CH, "fit", None)  # a refit would fail: every fit comes from the cache
   hs, secs, _ = mod.fit_ceilings(a, config, again, tok, mod.Task(name="synthetic", level=a.level),
-                                 sampling, heads0)
+                                 sampling, heads0, a.batches)
   assert secs == data["ceiling"]["fit_seconds"]
   assert all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(
       jax.tree.leaves(hs[0]), jax.tree.leaves(mod.CH.load(cached[0])), strict=True))
   first = jax.tree.leaves(again.get(0))
   assert all(np.array_equal(np.asarray(x), np.asarray(y))
              for x, y in zip(first, jax.tree.leaves(params), strict=True))
+  # --no-drift: as many policies, every one step 0's
+  frozen = again.frozen()
+  assert frozen.steps == [0, 0, 0]
+  assert all(np.array_equal(np.asarray(x), np.asarray(y))
+             for x, y in zip(jax.tree.leaves(frozen.get(2)), first, strict=True))
 
 
 def test_policies_of_another_model_shape_exit_2(tmp_path, monkeypatch, capsys):

@@ -21,6 +21,8 @@ CASES = [
     ("bench_adaptation.py", ["--slow-z", "nan"], "--slow-z"),
     ("bench_adaptation.py", ["--slow-budget", "-1"], "--slow-budget"),
     ("bench_adaptation.py", ["--slow-acc-drop", "2"], "--slow-acc-drop"),
+    ("bench_adaptation.py", ["--reflex-stride-rows", "0"], "--reflex-stride-rows"),
+    ("bench_adaptation.py", ["--start-heads", "best"], "--start-heads"),
     ("bench_proposals.py", ["--nodes", "0"], "--nodes"),
     ("bench_proposals.py", ["--temperatures", "-1"], "--temperatures"),
     ("build_default_model.py", ["--steps", "0"], "--steps"),
