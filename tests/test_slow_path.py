@@ -221,6 +221,26 @@ def test_refresh_lowers_heldout_ce_and_tv_and_is_kept_other_heads_bit_identical(
   assert leaves_equal(head_slice(opt, 1), head_slice(state.opt_state, 1))
 
 
+def test_a_heads_refresh_does_not_depend_on_which_other_heads_refresh(tiny, refreshed):
+  """Only trained heads are computed (the others skip their unembeddings and report NaN); head
+  0 refreshed alone comes out as in the refresh of heads 0 and 2 (own loss, clip and optimiser
+  state per head)."""
+  config, params, student, _ = tiny
+  state, heads, opt, res = refreshed
+  alone = sp.refresh_jit(REFRESH_CFG, config, params, student, state.opt_state, state.reservoir,
+                         jnp.array([True, False, False]), jnp.int32(2))
+  r = jax.device_get(alone[2])
+  assert r.trained.tolist() == [True, False, False] and r.keep.tolist() == [True, False, False]
+  for ev in (r.before, r.after, res.before, res.after):
+    assert np.isnan(ev.ce[1]) and np.isnan(ev.tv[1])
+  for a, b in zip(jax.tree.leaves(head_slice(alone[0], 0)), jax.tree.leaves(head_slice(heads, 0)),
+                  strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose([r.before.ce[0], r.after.ce[0]], [res.before.ce[0], res.after.ce[0]],
+                             rtol=1e-6)
+  assert leaves_equal(head_slice(alone[0], 2), head_slice(student, 2))
+
+
 def test_evaluate_matches_a_dense_reference_at_any_chunk_size(tiny):
   """Sparse CE (support + tail bucket), sparse TV and token CE against numpy on full-vocab
   softmaxes; chunk 48 pads 128 records to 3 chunks."""

@@ -5,6 +5,7 @@ the reservoir's training part, each head kept only when its held-out records con
 from __future__ import annotations
 
 import collections
+import functools
 import time
 
 import jax
@@ -14,7 +15,6 @@ import optax
 from jaxtyping import Array, Bool, Int
 
 from specroll_jax import head_kinds
-from specroll_jax import heads as heads_lib
 from specroll_jax.heads import Heads
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
@@ -52,32 +52,43 @@ def _chunks(cfg: SlowPathConfig, capacity: int) -> tuple[np.ndarray, np.ndarray]
   return np.minimum(idx, capacity - 1), idx < capacity
 
 
-def _log_probs(cfg, model_config, params, heads, rec: Records):
+def _log_probs(cfg, model_config, params, heads, rec: Records, active=None):
   """Head log-probs on a chunk (leaves [K, c, ...]): on the support [K, c, S] (0 where unused),
   of the tail bucket (everything off the support) [K, c], of the committed token [K, c].
-  Root-conditioned heads read each record's path (``rec.path``)."""
-  if head_kinds.is_conditioned(heads):
-    z = jnp.stack([head_kinds.output_states(model_config, params, heads, i, rec.hidden[i],
-                                            rec.path[i]) for i in range(heads.num_heads)])
-  else:
-    one = lambda hd, h: heads_lib.head_states(
-        model_config, hd.replace(norm=hd.norm[None], w=hd.w[None], b=hd.b[None]), h)[..., 0, :]
-    z = jax.vmap(one)(heads, rec.hidden)  # [K, c, D]
-  if cfg.use_correction:
-    z = z + rec.correction.astype(z.dtype)
+  Root-conditioned heads read each record's path (``rec.path``). ``active`` [K] bool (None: every
+  head): a head outside it is skipped (``lax.cond``: no unembedding, no softmax over V) and comes
+  back as zeros, so a refresh of one head of K costs one head's work."""
   inv_t = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0
-  logits = _dec.logits_from_hidden(model_config, params, z) * inv_t  # [K, c, V] f32
-  v = logits.shape[-1]
-  lse = jax.nn.logsumexp(logits, axis=-1)
-  used = rec.support >= 0
-  lq_s = jnp.take_along_axis(logits, jnp.where(used, rec.support, 0), -1) - lse[..., None]
-  kk, cc = np.ix_(np.arange(logits.shape[0]), np.arange(logits.shape[1]))
-  on_s = jnp.zeros(logits.shape, bool).at[kk[..., None], cc[..., None],
-                                          jnp.where(used, rec.support, v)].set(True, mode="drop")
-  lse_tail = jax.nn.logsumexp(jnp.where(on_s, MASKED_LOGIT, logits), axis=-1)
-  lq_tail = jnp.maximum(lse_tail - lse, -100.0)
-  tok = jnp.take_along_axis(logits, jnp.maximum(rec.token, 0)[..., None], -1)[..., 0] - lse
-  return jnp.where(used, lq_s, 0.0), lq_tail, tok
+
+  def one(i, r: Records):  # head i on its records r (leaves [c, ...])
+    z = head_kinds.output_states(model_config, params, heads, i, r.hidden, r.path)  # [c, D]
+    if cfg.use_correction:
+      z = z + r.correction.astype(z.dtype)
+    logits = _dec.logits_from_hidden(model_config, params, z) * inv_t  # [c, V] f32
+    v = logits.shape[-1]
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    used = r.support >= 0
+    lq_s = jnp.take_along_axis(logits, jnp.where(used, r.support, 0), -1) - lse[..., None]
+    rows = np.arange(logits.shape[0])[:, None]
+    on_s = jnp.zeros(logits.shape, bool).at[rows, jnp.where(used, r.support, v)].set(
+        True, mode="drop")
+    lse_tail = jax.nn.logsumexp(jnp.where(on_s, MASKED_LOGIT, logits), axis=-1)
+    lq_tail = jnp.maximum(lse_tail - lse, -100.0)
+    tok = jnp.take_along_axis(logits, jnp.maximum(r.token, 0)[..., None], -1)[..., 0] - lse
+    return jnp.where(used, lq_s, 0.0), lq_tail, tok
+
+  outs = []
+  for i in range(heads.num_heads):
+    r = jax.tree.map(lambda x, i=i: x[i], rec)
+    f = functools.partial(one, i)
+    if active is None:
+      outs.append(f(r))
+    else:
+      skip = lambda r: (jnp.zeros(r.support.shape, jnp.float32),
+                        jnp.zeros(r.token.shape, jnp.float32),
+                        jnp.zeros(r.token.shape, jnp.float32))
+      outs.append(jax.lax.cond(active[i], f, skip, r))
+  return tuple(jnp.stack(x) for x in zip(*outs, strict=True))
 
 
 def _terms(rec: Records, lq_s, lq_tail, lq_tok):
@@ -95,16 +106,18 @@ def _take(rec: Records, idx) -> Records:
   return jax.tree.map(lambda x: jnp.take(x, idx, axis=1) if x.ndim >= 2 else x, rec)
 
 
-def _forward(cfg, model_config, params, heads: Heads, reservoir: Records, select, keep_terms):
-  """Chunked forward of all heads over the reservoir: the Evaluation over ``select`` (and valid)
-  and, with ``keep_terms``, the log-probs on the support and tail per chunk ([nc, K, cs, ...])."""
+def _forward(cfg, model_config, params, heads: Heads, reservoir: Records, select, keep_terms,
+             active=None):
+  """Chunked forward of the heads in ``active`` (None: all) over the reservoir: the Evaluation
+  over ``select`` (and valid; NaN for a head outside ``active``) and, with ``keep_terms``, the
+  log-probs on the support and tail per chunk ([nc, K, cs, ...]; zeros outside ``active``)."""
   idx, inside = _chunks(cfg, reservoir.capacity)
 
   def body(acc, xs):
     i, ok = xs
     rec = _take(reservoir, i)
     w = (jnp.take(select, i, axis=1) & rec.valid & ok).astype(jnp.float32)
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec)
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec, active)
     ce, tv, tok = _terms(rec, lq_s, lq_tail, lq_tok)
     acc = jax.tree.map(jnp.add, acc, ((ce * w).sum(1), (tv * w).sum(1), (tok * w).sum(1),
                                       w.sum(1)))
@@ -113,7 +126,8 @@ def _forward(cfg, model_config, params, heads: Heads, reservoir: Records, select
   zeros = jnp.zeros((reservoir.num_heads,), jnp.float32)
   (ce, tv, tok, n), terms = jax.lax.scan(body, (zeros,) * 4, (jnp.asarray(idx),
                                                                jnp.asarray(inside)))
-  mean = lambda s: jnp.where(n > 0, s / jnp.maximum(n, 1.0), jnp.nan)
+  on = n > 0 if active is None else (n > 0) & active
+  mean = lambda s: jnp.where(on, s / jnp.maximum(n, 1.0), jnp.nan)
   return Evaluation(ce=mean(ce), tv=mean(tv), token_ce=mean(tok), n=n), terms
 
 
@@ -148,8 +162,10 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   ``cfg`` and ``model_config`` are static (``cfg.refresh_settings()`` gives the same result with
   fewer distinct programs); ``mask`` and ``num_steps`` are traced, so one compiled
   program serves every head selection, step count and reservoir content (shapes are fixed by the
-  reservoir capacity). All K heads are evaluated (the selection is a mask). Heads outside ``mask``,
-  and rolled-back heads, come back with their input parameters and optimiser state bit for bit.
+  reservoir capacity). Only the trained heads are computed (``lax.cond`` per head: a refresh of
+  one head of K costs one head's unembeddings); the others' held-out evaluations are NaN. Heads
+  outside ``mask``, and rolled-back heads, come back with their input parameters and optimiser
+  state bit for bit.
   The target ``params`` are only read (final norm and unembedding).
   """
   tx, clip = optimizer(cfg), optax.clip_by_global_norm(cfg.clip_norm)
@@ -159,13 +175,13 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   n_train = train.sum(1).astype(jnp.float32)
   trained = mask & (n_train > 0)
   # held-out evaluation before, and the pre-refresh head on every record (proximal term)
-  before, old = _forward(cfg, model_config, params, heads, reservoir, held, True)
+  before, old = _forward(cfg, model_config, params, heads, reservoir, held, True, trained)
   idx, inside = _chunks(cfg, c)
   xs = (jnp.asarray(idx), jnp.asarray(inside))
   weight = jnp.where(trained, 1.0 / jnp.maximum(n_train, 1.0), 0.0)  # [K]
 
   def chunk_loss(hd, rec, w, lo_s, lo_tail):
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec)
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, trained)
     ce, _, tok = _terms(rec, lq_s, lq_tail, lq_tok)
     used = rec.support >= 0
     kl = (jnp.where(used, jnp.exp(lo_s) * (lo_s - lq_s), 0.0).sum(-1)
@@ -196,7 +212,7 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
 
   nan = jnp.full((heads.num_heads,), jnp.nan, jnp.float32)
   new_heads, new_opt, loss = jax.lax.fori_loop(0, num_steps, step, (heads, opt_state, nan))
-  after = evaluate(cfg, model_config, params, new_heads, reservoir, held)
+  after = _forward(cfg, model_config, params, new_heads, reservoir, held, False, trained)[0]
   keep = keep_rule(cfg, trained, before, after)
   return (_select(keep, new_heads, heads), _select(keep, new_opt, opt_state),
           RefreshResult(trained=trained, keep=keep, before=before, after=after,

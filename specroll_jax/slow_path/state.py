@@ -67,7 +67,7 @@ class Evaluation:
 class RefreshResult:
   trained: Bool[Array, " K"]  # selected heads that had training records
   keep: Bool[Array, " K"]  # trained heads whose update was kept
-  before: Evaluation  # held-out, before the refresh
+  before: Evaluation  # held-out, before the refresh (NaN for heads not trained)
   after: Evaluation  # held-out, after the refresh (of the trained parameters, kept or not)
   loss: Float[Array, " K"]  # training loss per head at the first step
   n_train: Float[Array, " K"]
