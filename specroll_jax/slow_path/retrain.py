@@ -57,38 +57,48 @@ def _log_probs(cfg, model_config, params, heads, rec: Records, active=None):
   of the tail bucket (everything off the support) [K, c], of the committed token [K, c].
   Root-conditioned heads read each record's path (``rec.path``). ``active`` [K] bool (None: every
   head): a head outside it is skipped (``lax.cond``: no unembedding, no softmax over V) and comes
-  back as zeros, so a refresh of one head of K costs one head's work."""
+  back as zeros, so a refresh of one head of K costs one head's work; with every head active the
+  K heads run as one batched computation (the faster program when all are needed)."""
   inv_t = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0
+  k = heads.num_heads
 
-  def one(i, r: Records):  # head i on its records r (leaves [c, ...])
-    z = head_kinds.output_states(model_config, params, heads, i, r.hidden, r.path)  # [c, D]
+  def terms(z, r: Records):  # head outputs z [..., c, D] on records r (leaves [..., c, ...])
     if cfg.use_correction:
       z = z + r.correction.astype(z.dtype)
-    logits = _dec.logits_from_hidden(model_config, params, z) * inv_t  # [c, V] f32
+    logits = _dec.logits_from_hidden(model_config, params, z) * inv_t  # [..., c, V] f32
     v = logits.shape[-1]
     lse = jax.nn.logsumexp(logits, axis=-1)
     used = r.support >= 0
     lq_s = jnp.take_along_axis(logits, jnp.where(used, r.support, 0), -1) - lse[..., None]
-    rows = np.arange(logits.shape[0])[:, None]
-    on_s = jnp.zeros(logits.shape, bool).at[rows, jnp.where(used, r.support, v)].set(
-        True, mode="drop")
+    idx = np.ix_(*(np.arange(n) for n in logits.shape[:-1]))
+    on_s = jnp.zeros(logits.shape, bool).at[tuple(x[..., None] for x in idx)
+                                            + (jnp.where(used, r.support, v),)].set(
+                                                True, mode="drop")
     lse_tail = jax.nn.logsumexp(jnp.where(on_s, MASKED_LOGIT, logits), axis=-1)
     lq_tail = jnp.maximum(lse_tail - lse, -100.0)
     tok = jnp.take_along_axis(logits, jnp.maximum(r.token, 0)[..., None], -1)[..., 0] - lse
     return jnp.where(used, lq_s, 0.0), lq_tail, tok
 
-  outs = []
-  for i in range(heads.num_heads):
-    r = jax.tree.map(lambda x, i=i: x[i], rec)
-    f = functools.partial(one, i)
-    if active is None:
-      outs.append(f(r))
-    else:
-      skip = lambda r: (jnp.zeros(r.support.shape, jnp.float32),
-                        jnp.zeros(r.token.shape, jnp.float32),
-                        jnp.zeros(r.token.shape, jnp.float32))
-      outs.append(jax.lax.cond(active[i], f, skip, r))
-  return tuple(jnp.stack(x) for x in zip(*outs, strict=True))
+  head = lambda i, r: head_kinds.output_states(model_config, params, heads, i, r.hidden, r.path)
+  per_head = lambda i: jax.tree.map(lambda x: x[i], rec)
+
+  def every_head(_):
+    return terms(jnp.stack([head(i, per_head(i)) for i in range(k)]), rec)
+
+  if active is None:
+    return every_head(None)
+
+  def some_heads(_):
+    def one(i, r):
+      return terms(head(i, r), r)
+
+    skip = lambda r: (jnp.zeros(r.support.shape, jnp.float32),
+                      jnp.zeros(r.token.shape, jnp.float32), jnp.zeros(r.token.shape, jnp.float32))
+    outs = [jax.lax.cond(active[i], functools.partial(one, i), skip, per_head(i))
+            for i in range(k)]
+    return tuple(jnp.stack(x) for x in zip(*outs, strict=True))
+
+  return jax.lax.cond(jnp.all(active), every_head, some_heads, None)
 
 
 def _terms(rec: Records, lq_s, lq_tail, lq_tok):
