@@ -245,10 +245,10 @@ def test_a_heads_refresh_does_not_depend_on_which_other_heads_refresh(tiny, refr
   e = jax.device_get(every[2])
   assert e.trained.all() and np.isfinite(e.before.ce).all() and np.isfinite(e.after.tv).all()
   np.testing.assert_allclose(e.before.ce[0], r.before.ce[0], rtol=1e-6)
-  assert e.keep[0]
-  for a, b in zip(jax.tree.leaves(head_slice(every[0], 0)),
+  assert e.keep[0]  # another program (batched over K): equal up to float rounding; an update
+  for a, b in zip(jax.tree.leaves(head_slice(every[0], 0)),  # step moves weights by ~lr = 1e-2
                   jax.tree.leaves(head_slice(alone[0], 0)), strict=True):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def test_evaluate_matches_a_dense_reference_at_any_chunk_size(tiny):

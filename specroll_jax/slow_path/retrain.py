@@ -55,10 +55,10 @@ def _chunks(cfg: SlowPathConfig, capacity: int) -> tuple[np.ndarray, np.ndarray]
 def _log_probs(cfg, model_config, params, heads, rec: Records, active=None):
   """Head log-probs on a chunk (leaves [K, c, ...]): on the support [K, c, S] (0 where unused),
   of the tail bucket (everything off the support) [K, c], of the committed token [K, c].
-  Root-conditioned heads read each record's path (``rec.path``). ``active`` [K] bool (None: every
-  head): a head outside it is skipped (``lax.cond``: no unembedding, no softmax over V) and comes
-  back as zeros, so a refresh of one head of K costs one head's work; with every head active the
-  K heads run as one batched computation (the faster program when all are needed)."""
+  Root-conditioned heads read each record's path (``rec.path``). ``active`` None: every head, as
+  one batched computation; [K] bool: a head outside it is skipped (``lax.cond``: no unembedding,
+  no softmax over V) and comes back as zeros, so a refresh of one head of K costs one head's work
+  (``_all_or_some`` picks the batched program when every head is active)."""
   inv_t = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0
   k = heads.num_heads
 
@@ -88,17 +88,22 @@ def _log_probs(cfg, model_config, params, heads, rec: Records, active=None):
   if active is None:
     return every_head(None)
 
-  def some_heads(_):
-    def one(i, r):
-      return terms(head(i, r), r)
+  def one(i, r):
+    return terms(head(i, r), r)
 
-    skip = lambda r: (jnp.zeros(r.support.shape, jnp.float32),
-                      jnp.zeros(r.token.shape, jnp.float32), jnp.zeros(r.token.shape, jnp.float32))
-    outs = [jax.lax.cond(active[i], functools.partial(one, i), skip, per_head(i))
-            for i in range(k)]
-    return tuple(jnp.stack(x) for x in zip(*outs, strict=True))
+  skip = lambda r: (jnp.zeros(r.support.shape, jnp.float32),
+                    jnp.zeros(r.token.shape, jnp.float32), jnp.zeros(r.token.shape, jnp.float32))
+  outs = [jax.lax.cond(active[i], functools.partial(one, i), skip, per_head(i))
+          for i in range(k)]
+  return tuple(jnp.stack(x) for x in zip(*outs, strict=True))
 
-  return jax.lax.cond(jnp.all(active), every_head, some_heads, None)
+
+def _all_or_some(fn, active, *args):
+  """``fn(None, *args)`` (every head, batched) when every head is active, else
+  ``fn(active, *args)`` (only the active heads): the choice is made outside any differentiation,
+  so neither program carries the other's residuals."""
+  return jax.lax.cond(jnp.all(active), functools.partial(fn, None),
+                      functools.partial(fn, active), *args)
 
 
 def _terms(rec: Records, lq_s, lq_tail, lq_tok):
@@ -123,19 +128,23 @@ def _forward(cfg, model_config, params, heads: Heads, reservoir: Records, select
   log-probs on the support and tail per chunk ([nc, K, cs, ...]; zeros outside ``active``)."""
   idx, inside = _chunks(cfg, reservoir.capacity)
 
-  def body(acc, xs):
+  def body(acc, xs, act=None):
     i, ok = xs
     rec = _take(reservoir, i)
     w = (jnp.take(select, i, axis=1) & rec.valid & ok).astype(jnp.float32)
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec, active)
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec, act)
     ce, tv, tok = _terms(rec, lq_s, lq_tail, lq_tok)
     acc = jax.tree.map(jnp.add, acc, ((ce * w).sum(1), (tv * w).sum(1), (tok * w).sum(1),
                                       w.sum(1)))
     return acc, ((lq_s, lq_tail) if keep_terms else None)
 
   zeros = jnp.zeros((reservoir.num_heads,), jnp.float32)
-  (ce, tv, tok, n), terms = jax.lax.scan(body, (zeros,) * 4, (jnp.asarray(idx),
-                                                               jnp.asarray(inside)))
+  xs = (jnp.asarray(idx), jnp.asarray(inside))
+  if active is None:
+    (ce, tv, tok, n), terms = jax.lax.scan(body, (zeros,) * 4, xs)
+  else:
+    scan = lambda act, xs: jax.lax.scan(functools.partial(body, act=act), (zeros,) * 4, xs)
+    (ce, tv, tok, n), terms = _all_or_some(scan, active, xs)
   on = n > 0 if active is None else (n > 0) & active
   mean = lambda s: jnp.where(on, s / jnp.maximum(n, 1.0), jnp.nan)
   return Evaluation(ce=mean(ce), tv=mean(tv), token_ce=mean(tok), n=n), terms
@@ -190,8 +199,8 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   xs = (jnp.asarray(idx), jnp.asarray(inside))
   weight = jnp.where(trained, 1.0 / jnp.maximum(n_train, 1.0), 0.0)  # [K]
 
-  def chunk_loss(hd, rec, w, lo_s, lo_tail):
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, trained)
+  def chunk_loss(hd, rec, w, lo_s, lo_tail, act):
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, act)
     ce, _, tok = _terms(rec, lq_s, lq_tail, lq_tok)
     used = rec.support >= 0
     kl = (jnp.where(used, jnp.exp(lo_s) * (lo_s - lq_s), 0.0).sum(-1)
@@ -200,16 +209,19 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
     per_head = (per * w).sum(1) * weight  # [K]
     return per_head.sum(), per_head
 
-  def grads(hd):
+  def grads_of(act, hd):
     def body(acc, x):
       i, ok, lo_s, lo_tail = x
       rec = _take(reservoir, i)
       w = (jnp.take(train, i, axis=1) & ok).astype(jnp.float32)
-      (_, per_head), g = jax.value_and_grad(chunk_loss, has_aux=True)(hd, rec, w, lo_s, lo_tail)
+      (_, per_head), g = jax.value_and_grad(chunk_loss, has_aux=True)(hd, rec, w, lo_s, lo_tail,
+                                                                      act)
       return jax.tree.map(jnp.add, acc, (g, per_head)), None
 
     zero = (jax.tree.map(jnp.zeros_like, hd), jnp.zeros((hd.num_heads,), jnp.float32))
     return jax.lax.scan(body, zero, xs + old)[0]
+
+  grads = lambda hd: _all_or_some(grads_of, trained, hd)
 
   def step(i, carry):
     hd, opt, first_loss = carry
