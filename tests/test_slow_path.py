@@ -239,14 +239,14 @@ def test_a_heads_refresh_does_not_depend_on_which_other_heads_refresh(tiny, refr
   np.testing.assert_allclose([r.before.ce[0], r.after.ce[0]], [res.before.ce[0], res.after.ce[0]],
                              rtol=1e-6)
   assert leaves_equal(head_slice(alone[0], 2), head_slice(student, 2))
-  # every head selected runs the batched program: head 0 agrees with it too
+  # every head selected: head 0 agrees with it too
   every = sp.refresh_jit(REFRESH_CFG, config, params, student, state.opt_state, state.reservoir,
                          jnp.ones(K, bool), jnp.int32(2))
   e = jax.device_get(every[2])
   assert e.trained.all() and np.isfinite(e.before.ce).all() and np.isfinite(e.after.tv).all()
   np.testing.assert_allclose(e.before.ce[0], r.before.ce[0], rtol=1e-6)
-  assert e.keep[0]  # another program (batched over K): equal up to float rounding; an update
-  for a, b in zip(jax.tree.leaves(head_slice(every[0], 0)),  # step moves weights by ~lr = 1e-2
+  assert e.keep[0]  # equal up to float rounding; an update step moves weights by ~lr = 1e-2
+  for a, b in zip(jax.tree.leaves(head_slice(every[0], 0)),
                   jax.tree.leaves(head_slice(alone[0], 0)), strict=True):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 

@@ -55,55 +55,40 @@ def _chunks(cfg: SlowPathConfig, capacity: int) -> tuple[np.ndarray, np.ndarray]
 def _log_probs(cfg, model_config, params, heads, rec: Records, active=None):
   """Head log-probs on a chunk (leaves [K, c, ...]): on the support [K, c, S] (0 where unused),
   of the tail bucket (everything off the support) [K, c], of the committed token [K, c].
-  Root-conditioned heads read each record's path (``rec.path``). ``active`` None: every head, as
-  one batched computation; [K] bool: a head outside it is skipped (``lax.cond``: no unembedding,
-  no softmax over V) and comes back as zeros, so a refresh of one head of K costs one head's work
-  (``_all_or_some`` picks the batched program when every head is active)."""
+  Root-conditioned heads read each record's path (``rec.path``). ``active`` [K] bool (None: every
+  head): a head outside it is skipped (``lax.cond``: no unembedding, no softmax over V) and comes
+  back as zeros, so a refresh of one head of K costs one head's work."""
   inv_t = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0
-  k = heads.num_heads
 
-  def terms(z, r: Records):  # head outputs z [..., c, D] on records r (leaves [..., c, ...])
+  def one(i, r: Records):  # head i on its records r (leaves [c, ...])
+    z = head_kinds.output_states(model_config, params, heads, i, r.hidden, r.path)  # [c, D]
     if cfg.use_correction:
       z = z + r.correction.astype(z.dtype)
-    logits = _dec.logits_from_hidden(model_config, params, z) * inv_t  # [..., c, V] f32
+    logits = _dec.logits_from_hidden(model_config, params, z) * inv_t  # [c, V] f32
     v = logits.shape[-1]
     lse = jax.nn.logsumexp(logits, axis=-1)
     used = r.support >= 0
     lq_s = jnp.take_along_axis(logits, jnp.where(used, r.support, 0), -1) - lse[..., None]
-    idx = np.ix_(*(np.arange(n) for n in logits.shape[:-1]))
-    on_s = jnp.zeros(logits.shape, bool).at[tuple(x[..., None] for x in idx)
-                                            + (jnp.where(used, r.support, v),)].set(
-                                                True, mode="drop")
+    rows = np.arange(logits.shape[0])[:, None]
+    on_s = jnp.zeros(logits.shape, bool).at[rows, jnp.where(used, r.support, v)].set(
+        True, mode="drop")
     lse_tail = jax.nn.logsumexp(jnp.where(on_s, MASKED_LOGIT, logits), axis=-1)
     lq_tail = jnp.maximum(lse_tail - lse, -100.0)
     tok = jnp.take_along_axis(logits, jnp.maximum(r.token, 0)[..., None], -1)[..., 0] - lse
     return jnp.where(used, lq_s, 0.0), lq_tail, tok
 
-  head = lambda i, r: head_kinds.output_states(model_config, params, heads, i, r.hidden, r.path)
-  per_head = lambda i: jax.tree.map(lambda x: x[i], rec)
-
-  def every_head(_):
-    return terms(jnp.stack([head(i, per_head(i)) for i in range(k)]), rec)
-
-  if active is None:
-    return every_head(None)
-
-  def one(i, r):
-    return terms(head(i, r), r)
-
-  skip = lambda r: (jnp.zeros(r.support.shape, jnp.float32),
-                    jnp.zeros(r.token.shape, jnp.float32), jnp.zeros(r.token.shape, jnp.float32))
-  outs = [jax.lax.cond(active[i], functools.partial(one, i), skip, per_head(i))
-          for i in range(k)]
+  outs = []
+  for i in range(heads.num_heads):
+    r = jax.tree.map(lambda x, i=i: x[i], rec)
+    f = functools.partial(one, i)
+    if active is None:
+      outs.append(f(r))
+    else:
+      skip = lambda r: (jnp.zeros(r.support.shape, jnp.float32),
+                        jnp.zeros(r.token.shape, jnp.float32),
+                        jnp.zeros(r.token.shape, jnp.float32))
+      outs.append(jax.lax.cond(active[i], f, skip, r))
   return tuple(jnp.stack(x) for x in zip(*outs, strict=True))
-
-
-def _all_or_some(fn, active, *args):
-  """``fn(None, *args)`` (every head, batched) when every head is active, else
-  ``fn(active, *args)`` (only the active heads): the choice is made outside any differentiation,
-  so neither program carries the other's residuals."""
-  return jax.lax.cond(jnp.all(active), functools.partial(fn, None),
-                      functools.partial(fn, active), *args)
 
 
 def _terms(rec: Records, lq_s, lq_tail, lq_tok):
@@ -128,23 +113,19 @@ def _forward(cfg, model_config, params, heads: Heads, reservoir: Records, select
   log-probs on the support and tail per chunk ([nc, K, cs, ...]; zeros outside ``active``)."""
   idx, inside = _chunks(cfg, reservoir.capacity)
 
-  def body(acc, xs, act=None):
+  def body(acc, xs):
     i, ok = xs
     rec = _take(reservoir, i)
     w = (jnp.take(select, i, axis=1) & rec.valid & ok).astype(jnp.float32)
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec, act)
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec, active)
     ce, tv, tok = _terms(rec, lq_s, lq_tail, lq_tok)
     acc = jax.tree.map(jnp.add, acc, ((ce * w).sum(1), (tv * w).sum(1), (tok * w).sum(1),
                                       w.sum(1)))
     return acc, ((lq_s, lq_tail) if keep_terms else None)
 
   zeros = jnp.zeros((reservoir.num_heads,), jnp.float32)
-  xs = (jnp.asarray(idx), jnp.asarray(inside))
-  if active is None:
-    (ce, tv, tok, n), terms = jax.lax.scan(body, (zeros,) * 4, xs)
-  else:
-    scan = lambda act, xs: jax.lax.scan(functools.partial(body, act=act), (zeros,) * 4, xs)
-    (ce, tv, tok, n), terms = _all_or_some(scan, active, xs)
+  (ce, tv, tok, n), terms = jax.lax.scan(body, (zeros,) * 4, (jnp.asarray(idx),
+                                                               jnp.asarray(inside)))
   on = n > 0 if active is None else (n > 0) & active
   mean = lambda s: jnp.where(on, s / jnp.maximum(n, 1.0), jnp.nan)
   return Evaluation(ce=mean(ce), tv=mean(tv), token_ce=mean(tok), n=n), terms
@@ -199,8 +180,8 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   xs = (jnp.asarray(idx), jnp.asarray(inside))
   weight = jnp.where(trained, 1.0 / jnp.maximum(n_train, 1.0), 0.0)  # [K]
 
-  def chunk_loss(hd, rec, w, lo_s, lo_tail, act):
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, act)
+  def chunk_loss(hd, rec, w, lo_s, lo_tail):
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, trained)
     ce, _, tok = _terms(rec, lq_s, lq_tail, lq_tok)
     used = rec.support >= 0
     kl = (jnp.where(used, jnp.exp(lo_s) * (lo_s - lq_s), 0.0).sum(-1)
@@ -209,19 +190,16 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
     per_head = (per * w).sum(1) * weight  # [K]
     return per_head.sum(), per_head
 
-  def grads_of(act, hd):
+  def grads(hd):
     def body(acc, x):
       i, ok, lo_s, lo_tail = x
       rec = _take(reservoir, i)
       w = (jnp.take(train, i, axis=1) & ok).astype(jnp.float32)
-      (_, per_head), g = jax.value_and_grad(chunk_loss, has_aux=True)(hd, rec, w, lo_s, lo_tail,
-                                                                      act)
+      (_, per_head), g = jax.value_and_grad(chunk_loss, has_aux=True)(hd, rec, w, lo_s, lo_tail)
       return jax.tree.map(jnp.add, acc, (g, per_head)), None
 
     zero = (jax.tree.map(jnp.zeros_like, hd), jnp.zeros((hd.num_heads,), jnp.float32))
     return jax.lax.scan(body, zero, xs + old)[0]
-
-  grads = lambda hd: _all_or_some(grads_of, trained, hd)
 
   def step(i, carry):
     hd, opt, first_loss = carry
