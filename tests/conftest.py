@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny trained GSM8K model (built once per session) and a random tiny model."""
+"""Shared fixtures: a tiny trained GSM8K model (``tests/assets/test-model``) and a random tiny
+model."""
 
 import gc
 import os
@@ -13,11 +14,21 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# `make test` (the fast suite) sets SPECROLL_TEST_FAST_COMPILE=1: XLA's CPU backend then compiles
+# without LLVM's optimisation passes. The fast suite's time is mostly compilation of small
+# programs; it checks properties (exact tokens, parity, references), which do not depend on how
+# well the machine code is optimised, and runs about a quarter faster. Set before jax starts its
+# backend; the subprocess tests pass it on (``xla_flags``). The slow set (long training runs, where
+# run time dominates) compiles as users do.
+FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+FAST_COMPILE = os.environ.get("SPECROLL_TEST_FAST_COMPILE") == "1"
+if FAST_COMPILE and FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE_FLAG).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from specroll_jax import models, sft  # noqa: E402
+from specroll_jax import models  # noqa: E402
 from specroll_jax.data import gsm8k  # noqa: E402
 from specroll_jax.models.tokenizer import Tokenizer  # noqa: E402
 
@@ -49,12 +60,23 @@ def _release_executables(request):
       f.write(f"{request.module.__name__} {before} -> {_mapped_regions()}\n")
 
 
+TEST_MODEL = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", "test-model")
+
+
+def xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a test subprocess with ``devices`` CPU devices (and the fast suite's compile
+  flag when it is on)."""
+  flags = f"--xla_force_host_platform_device_count={devices}"
+  return f"{flags} {FAST_COMPILE_FLAG}" if FAST_COMPILE else flags
+
+
 @pytest.fixture(scope="session")
-def trained_model(tmp_path_factory):
-  """(config, params, tokenizer) of the tiny SFT-trained GSM8K model (about 30 s to build)."""
-  path = os.environ.get("SPECROLL_TEST_MODEL")
-  if not path:
-    path = sft.build_test_model(tmp_path_factory.mktemp("tiny_model") / "model")
+def trained_model():
+  """(config, params, tokenizer) of the tiny SFT-trained GSM8K model: ``tests/assets/test-model``,
+  what ``sft.build_test_model`` builds (35-45 s on 2 CPU cores; ``tests/test_sft.py``, marked
+  slow, builds it again and checks it against this copy). ``SPECROLL_TEST_MODEL`` names another
+  folder."""
+  path = os.environ.get("SPECROLL_TEST_MODEL") or TEST_MODEL
   config, params = models.load_pretrained(path)
   return config, params, Tokenizer.from_pretrained(path)
 
@@ -80,7 +102,7 @@ def run_on_cpu_devices(tmp_path, source: str, devices: int = 4, timeout: int = 6
   import sys
   from pathlib import Path
   root = Path(__file__).resolve().parents[1]
-  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices),
              PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
   script = tmp_path / "on_devices.py"
   script.write_text(source)

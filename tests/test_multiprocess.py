@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -118,7 +119,7 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict:
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices),
               PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
 
 
