@@ -38,6 +38,9 @@ from specroll_jax.sampling import SamplingConfig
 from specroll_jax.slow_path import SlowPathConfig, SlowPathState
 
 
+RECORD_SOURCES = ("rollout", "trainer")
+
+
 @dataclasses.dataclass(frozen=True)
 class AdaptationConfig:
   """reflex: the fast path's settings (``apply_corrections=False`` keeps the heads static but still
@@ -46,13 +49,23 @@ class AdaptationConfig:
 
   reflex: ReflexConfig = ReflexConfig()
   slow: SlowPathConfig = SlowPathConfig()
+  # where the slow path's records come from: "rollout" (Reflex's matured records, written in the
+  # decode loop; ``after_rollout`` runs the slow path) or "trainer" (the caller hands records built
+  # from the trainer's forward, ``trainer_records``, to :func:`after_trainer`, which runs it; the
+  # decode loop then needs no records: ``reflex.record_capacity`` may be 0)
+  records: str = "rollout"
 
   def __post_init__(self):
     check_type(self, "reflex", ReflexConfig)
     check_type(self, "slow", SlowPathConfig)
-    if self.slow.mode != "off" and self.reflex.record_capacity == 0:
+    if self.records not in RECORD_SOURCES:
+      raise ValueError(f"AdaptationConfig.records must be one of {RECORD_SOURCES}, got "
+                       f"{self.records!r}")
+    if (self.slow.mode != "off" and self.records == "rollout"
+        and self.reflex.record_capacity == 0):
       raise ValueError(f"AdaptationConfig: slow path mode {self.slow.mode!r} needs records, but "
-                       "reflex.record_capacity is 0")
+                       "reflex.record_capacity is 0 (or take them from the trainer: "
+                       "records='trainer')")
 
   @property
   def static_heads(self) -> bool:
@@ -135,7 +148,7 @@ def after_rollout(state: AdaptationState, model_config, params, rollout,
       expected = jnp.asarray((np.asarray(expected) * b + e) / (b + 1), jnp.float32)
       report["expected_by_nodes"] = e.tolist()
   report["safety"] = np.asarray(glob.safety).tolist()
-  if cfg.slow.mode != "off":
+  if cfg.slow.mode != "off" and cfg.records == "rollout":
     records = rollout.proposer_state.records
     slow, heads, slow_report = _slow.after_batch(cfg.slow, slow, model_config, params, heads,
                                                  records, jnp.asarray(acc, jnp.float32),
@@ -145,3 +158,35 @@ def after_rollout(state: AdaptationState, model_config, params, rollout,
   report["adaptation_seconds"] = time.perf_counter() - t0
   return state.replace(heads=heads, reflex=glob, slow=slow, batches=state.batches + 1,
                        expected=expected), report
+
+
+def after_trainer(state: AdaptationState, model_config, params, records,
+                  rollout_report: dict) -> tuple[AdaptationState, dict]:
+  """The slow path's step for ``AdaptationConfig.records == "trainer"``: after the rollout
+  (``after_rollout``, which ran Reflex's end of batch) and the trainer's forward of it, merge
+  ``records`` (``trainer_records.from_hidden`` / ``from_rollout`` of that batch, under the policy
+  that rolled it out) into the reservoir, update the monitor with the batch's head acceptance and
+  rollout seconds (from ``rollout_report``, the batch's ``Rollout.adaptation_report``) and refresh
+  the heads it names. Returns (state, report): the slow path's report plus the host seconds spent
+  here (``adaptation_seconds``)."""
+  t0 = time.perf_counter()
+  if not isinstance(state, AdaptationState):
+    raise ValueError(f"state must be an AdaptationState, got {type(state).__name__}")
+  cfg = state.config
+  if cfg.records != "trainer":
+    raise ValueError(f"after_trainer needs AdaptationConfig.records='trainer', got "
+                     f"{cfg.records!r} (with 'rollout' the rollout's own records are used)")
+  if cfg.slow.mode == "off":
+    raise ValueError("after_trainer: the slow path is off (SlowPathConfig.mode='off'): "
+                     "nothing takes the records")
+  if not isinstance(rollout_report, dict) or "head_acceptance" not in rollout_report:
+    raise ValueError("rollout_report must be the batch's Rollout.adaptation_report (a dict with "
+                     "head_acceptance and rollout_seconds)")
+  acc = np.asarray([np.nan if a is None else a for a in rollout_report["head_acceptance"]],
+                   np.float32)
+  slow, heads, report = _slow.after_batch(cfg.slow, state.slow, model_config, params, state.heads,
+                                          records, jnp.asarray(acc),
+                                          float(rollout_report["rollout_seconds"]))
+  jax.block_until_ready(jax.tree.leaves(heads))
+  report["adaptation_seconds"] = time.perf_counter() - t0
+  return state.replace(heads=heads, slow=slow), report

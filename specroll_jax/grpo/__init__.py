@@ -8,7 +8,7 @@ fully on-device step that samples, rewards and trains in one jitted program
 """
 
 from specroll_jax.grpo.config import AGGREGATIONS, OLD_POLICIES, GRPOConfig
-from specroll_jax.grpo.logprobs import TokenScores, trainer_logprobs
+from specroll_jax.grpo.logprobs import TokenScores, trainer_hidden, trainer_logprobs
 from specroll_jax.grpo.loss import (
   Metrics,
   Sums,
@@ -38,4 +38,4 @@ __all__ = ["AGGREGATIONS", "OLD_POLICIES", "Batch", "GRPOConfig", "Metrics", "Pr
            "RolloutTrainStep", "StepRollouts", "Sums", "TokenScores", "TokenTerms", "TrainState",
            "TrainStep", "group_advantages", "grpo_loss", "init_train_state", "k3_kl",
            "make_rollout_train_step", "make_train_step", "rollout_train_step", "token_terms",
-           "train_step", "trainer_logprobs"]
+           "train_step", "trainer_hidden", "trainer_logprobs"]

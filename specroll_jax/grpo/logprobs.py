@@ -27,6 +27,9 @@ from specroll_jax.sampling import SamplingConfig
 class TokenScores:
   logprobs: Float[Array, "B M"]  # log pi(token_j | prefix) under the sampling rule; 0 past length
   entropy: Float[Array, "B M"]  # entropy of that distribution at each anchor; 0 past length
+  # with return_hidden: the pre-norm hidden state at the anchor of every response token
+  # (stop-gradient; what the slow path's records read, ``trainer_records``)
+  hidden: Float[Array, "B M D"] | None = None
 
 
 def sequences(prompt_tokens: Int[Array, "B P"], prompt_lengths: Int[Array, " B"],
@@ -47,21 +50,32 @@ def sequences(prompt_tokens: Int[Array, "B P"], prompt_lengths: Int[Array, " B"]
   return seq, j, mask, anchors
 
 
+def trainer_hidden(config: ModelConfig, params, prompt_tokens: Int[Array, "B P"],
+                   prompt_lengths: Int[Array, " B"], tokens: Int[Array, "B M"],
+                   lengths: Int[Array, " B"], *, kernels: Kernels = REFERENCE
+                   ) -> Float[Array, "B M D"]:
+  """The pre-norm hidden state at the anchor of every response token (hidden[b, j]: the state
+  whose logits sample token j), from one causal forward of prompt + response. Traceable."""
+  seq, pos, mask, anchors = sequences(prompt_tokens, prompt_lengths, tokens, lengths)
+  out = _dec.step(config, params, seq, pos, None, mask, kernels=kernels, compute_logits=False)
+  return jnp.take_along_axis(out.hidden, anchors[..., None], axis=1)
+
+
 def trainer_logprobs(config: ModelConfig, params, prompt_tokens: Int[Array, "B P"],
                      prompt_lengths: Int[Array, " B"], tokens: Int[Array, "B M"],
                      lengths: Int[Array, " B"], sampling: SamplingConfig, *,
-                     kernels: Kernels = REFERENCE) -> TokenScores:
+                     kernels: Kernels = REFERENCE, return_hidden: bool = False) -> TokenScores:
   """Teacher-forced logprobs (and entropies) of response ``tokens`` under ``params``. Traceable and
   differentiable in ``params`` (with the default jnp attention). prompt_tokens right-padded,
-  prompt_lengths >= 1; positions past ``lengths`` give 0. ``config``, ``sampling`` and ``kernels``
-  are static."""
-  seq, pos, mask, anchors = sequences(prompt_tokens, prompt_lengths, tokens, lengths)
-  out = _dec.step(config, params, seq, pos, None, mask, kernels=kernels, compute_logits=False)
-  hidden_BxMxD = jnp.take_along_axis(out.hidden, anchors[..., None], axis=1)
+  prompt_lengths >= 1; positions past ``lengths`` give 0. ``config``, ``sampling``, ``kernels``
+  and ``return_hidden`` (also return the anchor hidden states, stop-gradient) are static."""
+  hidden_BxMxD = trainer_hidden(config, params, prompt_tokens, prompt_lengths, tokens, lengths,
+                                kernels=kernels)
   logits_BxMxV = _dec.logits_from_hidden(config, params, hidden_BxMxD)
   live = response_mask(lengths, tokens.shape[1])
   lp = _sampling.token_logprobs(logits_BxMxV, tokens, sampling)
   x = jax.lax.stop_gradient(_sampling.allowed_logits(logits_BxMxV, sampling))
   logp_all = jax.nn.log_softmax(x, axis=-1)
   ent = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-  return TokenScores(logprobs=jnp.where(live, lp, 0.0), entropy=jnp.where(live, ent, 0.0))
+  return TokenScores(logprobs=jnp.where(live, lp, 0.0), entropy=jnp.where(live, ent, 0.0),
+                     hidden=jax.lax.stop_gradient(hidden_BxMxD) if return_hidden else None)

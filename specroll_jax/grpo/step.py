@@ -90,8 +90,9 @@ def default_mesh() -> Mesh:
 
 
 def micro_sums(config: ModelConfig, cfg: GRPOConfig, params, ref_params, mb: Batch,
-               advantages: Float[Array, " B"], kernels: Kernels):
-  """(gradient of the objective's numerator, ``Sums``) of one micro-batch, on this device only."""
+               advantages: Float[Array, " B"], kernels: Kernels, return_hidden: bool = False):
+  """(gradient of the objective's numerator, ``Sums``) of one micro-batch, on this device only;
+  with ``return_hidden``, (gradient, (``Sums``, the forward's anchor hidden states [b, M, D]))."""
   ref_logp = None
   if cfg.beta > 0:
     ref_logp = jax.lax.stop_gradient(trainer_logprobs(
@@ -100,12 +101,12 @@ def micro_sums(config: ModelConfig, cfg: GRPOConfig, params, ref_params, mb: Bat
 
   def numerator(p):
     sc = trainer_logprobs(config, p, mb.prompt_tokens, mb.prompt_lengths, mb.tokens, mb.lengths,
-                          cfg.sampling, kernels=kernels)
+                          cfg.sampling, kernels=kernels, return_hidden=return_hidden)
     old = mb.logprobs if cfg.old_policy == "rollout" else jax.lax.stop_gradient(sc.logprobs)
     terms = _loss.token_terms(sc.logprobs, old, advantages, cfg, ref_logp)
     s = _loss.batch_sums(terms, sc.logprobs, mb.logprobs, sc.entropy, mb.lengths, mb.rewards,
                          cfg.aggregation)
-    return s.objective, s
+    return s.objective, ((s, sc.hidden) if return_hidden else s)
 
   grads, sums = jax.grad(numerator, has_aux=True)(params)
   return grads, sums
@@ -153,25 +154,35 @@ def split_micro(tree, micro_batches: int):
 
 
 def train_step(state: TrainState, batch: Batch, *, config: ModelConfig, cfg: GRPOConfig,
-               mesh: Mesh, kernels: Kernels = REFERENCE):
-  """One GRPO update from a batch of finished rollouts. Traceable; ``config``, ``cfg``, ``mesh``
-  and ``kernels`` are static. Advantages come from the whole batch's groups; then each device takes
-  B / n_devices rows (``shard_map`` over ``data``) in ``cfg.micro_batches`` chunks.
-  Returns (new state, Metrics)."""
+               mesh: Mesh, kernels: Kernels = REFERENCE, return_hidden: bool = False):
+  """One GRPO update from a batch of finished rollouts. Traceable; ``config``, ``cfg``, ``mesh``,
+  ``kernels`` and ``return_hidden`` are static. Advantages come from the whole batch's groups; then
+  each device takes B / n_devices rows (``shard_map`` over ``data``) in ``cfg.micro_batches``
+  chunks. Returns (new state, Metrics); with ``return_hidden``, (new state, Metrics, hidden
+  [B, M, D]): the anchor hidden states of the loss's own forward under the parameters *before* the
+  update (the policy that rolled the batch out), sharded like the batch, for the slow path's
+  records (``trainer_records.from_hidden``). The update is the same either way."""
   adv = _loss.group_advantages(batch.rewards, cfg.group_size, cfg.adv_eps)
 
   def local(state, batch, adv):
     def fn(params_v, x):
       mb, a = x
-      g, s = micro_sums(config, cfg, params_v, state.ref_params, mb, a, kernels)
+      g, s = micro_sums(config, cfg, params_v, state.ref_params, mb, a, kernels, return_hidden)
+      if return_hidden:
+        s, hid = s
+        return g, s, hid
       return g, s, None
 
     xs = split_micro((batch, adv), cfg.micro_batches)
-    grads, sums, _ = accumulate(fn, state.params, xs, (batch, adv))
-    return apply_update(cfg, state, grads, sums)
+    grads, sums, hid = accumulate(fn, state.params, xs, (batch, adv))
+    new, metrics = apply_update(cfg, state, grads, sums)
+    if return_hidden:
+      return new, metrics, hid.reshape((-1,) + hid.shape[2:])
+    return new, metrics
 
+  specs = (P(), P(), P(AXIS)) if return_hidden else (P(), P())
   return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
-                       out_specs=(P(), P()))(state, batch, adv)
+                       out_specs=specs)(state, batch, adv)
 
 
 def check_rows(rows: int, cfg: GRPOConfig, mesh: Mesh, what: str, per_row: int = 1) -> None:
@@ -186,18 +197,20 @@ def check_rows(rows: int, cfg: GRPOConfig, mesh: Mesh, what: str, per_row: int =
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
-  """``step(state, batch) -> (state, Metrics)``: shapes checked on the host, then the jitted
-  ``train_step`` (compiled once per shapes; ``state`` is donated: do not reuse it)."""
+  """``step(state, batch) -> (state, Metrics)`` (with ``return_hidden``: ``(state, Metrics,
+  hidden)``, see ``train_step``): shapes checked on the host, then the jitted ``train_step``
+  (compiled once per shapes; ``state`` is donated: do not reuse it)."""
 
   config: ModelConfig
   cfg: GRPOConfig
   mesh: Mesh
   kernels: Kernels = REFERENCE
+  return_hidden: bool = False
 
   @functools.cached_property
   def jitted(self):
     fn = functools.partial(train_step, config=self.config, cfg=self.cfg, mesh=self.mesh,
-                           kernels=self.kernels)
+                           kernels=self.kernels, return_hidden=self.return_hidden)
     return jax.jit(fn, donate_argnums=0)
 
   def __call__(self, state: TrainState, batch: Batch):
@@ -233,12 +246,16 @@ def check_batch(batch: Batch, config: ModelConfig, cfg: GRPOConfig, mesh: Mesh) 
 
 
 def make_train_step(config: ModelConfig, cfg: GRPOConfig, *, mesh: Mesh | None = None,
-                    kernels: Kernels = REFERENCE) -> TrainStep:
+                    kernels: Kernels = REFERENCE, return_hidden: bool = False) -> TrainStep:
   """The data-parallel step over ``mesh`` (default: every device on one ``data`` axis).
-  ``kernels`` is the trainer forward's attention (the jnp reference by default: differentiable)."""
+  ``kernels`` is the trainer forward's attention (the jnp reference by default: differentiable);
+  ``return_hidden``: the step also returns its forward's anchor hidden states (``train_step``)."""
   if not isinstance(cfg, GRPOConfig):
     raise ValueError(f"cfg must be a GRPOConfig, got {type(cfg).__name__}")
   mesh = default_mesh() if mesh is None else mesh
   if AXIS not in mesh.axis_names:
     raise ValueError(f"mesh must have a {AXIS!r} axis, got axes {mesh.axis_names}")
-  return TrainStep(config=config, cfg=cfg, mesh=mesh, kernels=Kernels.resolve(kernels))
+  if not isinstance(return_hidden, bool):
+    raise ValueError(f"return_hidden must be a bool, got {return_hidden!r}")
+  return TrainStep(config=config, cfg=cfg, mesh=mesh, kernels=Kernels.resolve(kernels),
+                   return_hidden=return_hidden)

@@ -1,0 +1,177 @@
+"""Slow-path records from the trainer's forward (``trainer_records``): every field checked against
+an independent computation (the whole-path head apply, the full-vocabulary target softmax), the
+GRPO step hands out its own forward's hidden states without changing the update, and the
+adaptation state takes such records between batches (``adaptation.after_trainer``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from specroll_jax import adaptation as A
+from specroll_jax import cond_heads as CH
+from specroll_jax import grpo, rollout
+from specroll_jax import slow_path as SP
+from specroll_jax import trainer_records as TR
+from specroll_jax.models import decoder as _dec
+from specroll_jax.reflex import ReflexConfig
+from specroll_jax.sampling import SamplingConfig, allowed_logits
+
+M, N = 24, 48
+SAMPLING = SamplingConfig(temperature=1.0)
+CFG = ReflexConfig(conditioned=True)
+
+
+@pytest.fixture(scope="module")
+def batch(trained_model, gsm8k_prompts):
+  """Eight finished responses (some ended by EOS), their anchor hidden states, random heads."""
+  config, params, tok = trained_model
+  arr, plens = rollout.pad_prompts(gsm8k_prompts[:8])
+  out = rollout.generate(config, params, arr, prompt_lengths=plens, sampling=SAMPLING, seed=5,
+                         max_new_tokens=M, eos_ids=tok.eos_ids, sample_ids=np.arange(8))
+  heads = CH.init(jax.random.key(2), config, 3)
+  heads = heads.replace(w_o=0.05 * jax.random.normal(jax.random.key(3), heads.w_o.shape))
+  hid = grpo.trainer_hidden(config, params, jnp.asarray(arr), jnp.asarray(plens), out.tokens,
+                            out.lengths)
+  return arr, np.asarray(plens), np.asarray(out.tokens), np.asarray(out.lengths), hid, heads
+
+
+def test_records_match_an_independent_computation(trained_model, batch):
+  config, params, _ = trained_model
+  arr, plens, toks, lens, hid, heads = batch
+  key = jax.random.key(7)
+  rec = TR.from_hidden(CFG, config, params, heads, hid, toks, lens, plens, sampling=SAMPLING,
+                       key=key, num_anchors=N)
+  assert rec.hidden.shape == (3, N, config.hidden_size)
+  assert rec.support.shape == (3, N, CFG.support_size)
+  assert rec.candidates.shape == (3, N, CFG.max_candidates) and rec.path.shape == (3, N, 3)
+  rows, cols, found = map(np.asarray, TR.sample_anchors(key, jnp.asarray(lens), M, N))
+  assert found.all() and len(set(zip(rows, cols, strict=True))) == N  # distinct anchors
+  assert (cols + 1 < lens[rows]).all()
+  hid = np.asarray(hid)
+  # independent: every head along the committed path at once, the target's full softmax
+  ctx = toks[rows[:, None], np.minimum(cols[:, None] + np.arange(3), M - 1)]
+  q_all = np.asarray(CH.apply(config, params, heads, jnp.asarray(hid[rows, cols]),
+                              jnp.asarray(ctx)))  # [N, K, V]
+  lab = np.minimum(cols[:, None] + np.arange(1, 4), M - 1)
+  p_all = np.asarray(jax.nn.softmax(allowed_logits(_dec.logits_from_hidden(
+      config, params, jnp.asarray(hid[rows[:, None], lab])), SAMPLING), axis=-1))  # [N, K, V]
+  valid = np.asarray(rec.valid)
+  checked = 0
+  for i in range(3):
+    np.testing.assert_array_equal(valid[i], cols + i + 1 < lens[rows])
+    np.testing.assert_array_equal(np.asarray(rec.token[i])[valid[i]],
+                                  toks[rows, np.minimum(cols + i + 1, M - 1)][valid[i]])
+    np.testing.assert_array_equal(np.asarray(rec.position[i])[valid[i]],
+                                  (plens[rows] + cols + i + 1)[valid[i]])
+    np.testing.assert_allclose(np.asarray(rec.hidden[i]), hid[rows, cols], atol=1e-6)
+    path = np.asarray(rec.path[i])
+    np.testing.assert_array_equal(path[:, : i + 1], ctx[:, : i + 1])
+    assert (path[:, i + 1:] == -1).all()
+    for n in np.flatnonzero(valid[i]):
+      s = np.asarray(rec.support[i, n])
+      used = s >= 0
+      ids = s[used]
+      assert len(set(ids.tolist())) == len(ids)
+      p, q = p_all[n, i], q_all[n, i]
+      top_p = np.argsort(-p)[:4]
+      assert set(top_p.tolist()) <= set(ids.tolist())  # the target's top ids are on it
+      assert int(rec.token[i, n]) in ids
+      cand = np.asarray(rec.candidates[i, n])
+      np.testing.assert_array_equal(cand[: CFG.topk[i]], np.argsort(-q)[: CFG.topk[i]])
+      assert (cand[CFG.topk[i]:] == -1).all()
+      assert bool(rec.hit[i, n]) == (int(rec.token[i, n]) in cand[: CFG.topk[i]])
+      ps = p[ids] / p[ids].sum()
+      np.testing.assert_allclose(np.asarray(rec.p[i, n])[used], ps, atol=2e-5)
+      np.testing.assert_allclose(float(rec.p_tail[i, n]), 1.0 - p[ids].sum(), atol=2e-5)
+      qs = np.exp(q[ids] - q[ids].max())
+      qs /= qs.sum()
+      np.testing.assert_allclose(float(rec.tv[i, n]), 0.5 * np.abs(ps - qs).sum(), atol=2e-5)
+      checked += 1
+  assert checked > 2 * N  # most anchors predict three committed tokens
+  assert not np.asarray(rec.correction).any()
+
+
+def test_from_rollout_is_from_hidden_after_the_trainer_forward(trained_model, batch):
+  config, params, _ = trained_model
+  arr, plens, toks, lens, hid, heads = batch
+  kw = dict(sampling=SAMPLING, key=jax.random.key(1), num_anchors=16)
+  a = TR.from_rollout(CFG, config, params, heads, arr, plens, toks, lens, **kw)
+  b = TR.from_hidden(CFG, config, params, heads, hid, toks, lens, plens, **kw)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_fewer_anchors_than_asked_are_marked_not_found():
+  lens = jnp.asarray([3, 1])  # row 0: anchors 0, 1; row 1: none
+  rows, cols, found = map(np.asarray, TR.sample_anchors(jax.random.key(0), lens, 4, 5))
+  assert found.sum() == 2
+  assert sorted(zip(rows[found], cols[found], strict=True)) == [(0, 0), (0, 1)]
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"num_anchors": 0}, "num_anchors must be an int >= 1"),
+    ({"num_anchors": 10_000}, "exceeds the batch"),
+    ({"lengths": np.ones(3, np.int32)}, "lengths has shape"),
+])
+def test_bad_input(trained_model, batch, kw, match):
+  config, params, _ = trained_model
+  arr, plens, toks, lens, hid, heads = batch
+  args = dict(tokens=toks, lengths=lens, prompt_lengths=plens, num_anchors=8)
+  args.update(kw)
+  with pytest.raises(ValueError, match=match):
+    TR.from_hidden(CFG, config, params, heads, hid, sampling=SAMPLING, key=jax.random.key(0),
+                   **args)
+
+
+def test_train_step_hands_out_its_forward_without_changing_the_update(trained_model, batch):
+  config, params, _ = trained_model
+  arr, plens, toks, lens, hid, _ = batch
+  ro = rollout.generate(config, params, arr, prompt_lengths=plens, sampling=SAMPLING, seed=5,
+                        max_new_tokens=M, eos_ids=trained_model[2].eos_ids,
+                        sample_ids=np.arange(8))
+  rewards = np.arange(8, dtype=np.float32) % 3
+  b = grpo.Batch.from_rollout(arr, plens, ro, rewards)
+  cfg = grpo.GRPOConfig(group_size=4, learning_rate=1e-3, micro_batches=2, sampling=SAMPLING)
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+  st0, m0 = grpo.make_train_step(config, cfg, mesh=mesh)(grpo.init_train_state(params, cfg), b)
+  st1, m1, h1 = grpo.make_train_step(config, cfg, mesh=mesh, return_hidden=True)(
+      grpo.init_train_state(params, cfg), b)
+  np.testing.assert_allclose(np.asarray(h1), np.asarray(hid), atol=1e-5)
+  for x, y in zip(jax.tree.leaves(st0.params), jax.tree.leaves(st1.params), strict=True):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-7)
+  np.testing.assert_allclose(float(m0.loss), float(m1.loss), rtol=1e-6)
+  moved = max(float(np.abs(np.asarray(x) - np.asarray(y)).max())
+              for x, y in zip(jax.tree.leaves(st1.params), jax.tree.leaves(params), strict=True))
+  assert moved > 1e-4  # the update happened
+  with pytest.raises(ValueError, match="return_hidden must be a bool"):
+    grpo.make_train_step(config, cfg, mesh=mesh, return_hidden=1)
+
+
+def test_adaptation_takes_trainer_records(trained_model, batch):
+  config, params, _ = trained_model
+  arr, plens, toks, lens, hid, heads = batch
+  slow = SP.SlowPathConfig.for_tests(mode="every_batch", learning_rate=3e-3, guard=False)
+  rc = ReflexConfig(conditioned=True, record_capacity=0)
+  with pytest.raises(ValueError, match="needs records"):
+    A.AdaptationConfig(reflex=rc, slow=slow)
+  with pytest.raises(ValueError, match="AdaptationConfig.records must be one of"):
+    A.AdaptationConfig(reflex=rc, slow=slow, records="decoder")
+  ac = A.AdaptationConfig(reflex=rc, slow=slow, records="trainer").for_sampling(SAMPLING)
+  state = A.init(ac, heads)
+  rec = TR.from_hidden(rc, config, params, heads, hid, toks, lens, plens, sampling=SAMPLING,
+                       key=jax.random.key(0), num_anchors=N)
+  report = {"head_acceptance": [0.6, 0.3, None], "rollout_seconds": 0.5}
+  new, rep = A.after_trainer(state, config, params, rec, report)
+  np.testing.assert_array_equal(np.asarray(new.slow.reservoir.count),
+                                np.asarray(rec.valid).sum(1))
+  assert rep["heads"] == [0, 1, 2] and rep["decision"] == "every_batch"
+  assert rep["adaptation_seconds"] > 0
+  changed = float(np.abs(np.asarray(new.heads.w_o) - np.asarray(heads.w_o)).max())
+  assert changed > 1e-4  # refreshed on the trainer's records
+  with pytest.raises(ValueError, match="rollout_report must be"):
+    A.after_trainer(state, config, params, rec, {})
+  rollout_cfg = A.init(A.AdaptationConfig(reflex=CFG, slow=slow).for_sampling(SAMPLING), heads)
+  with pytest.raises(ValueError, match="needs AdaptationConfig.records='trainer'"):
+    A.after_trainer(rollout_cfg, config, params, rec, report)
