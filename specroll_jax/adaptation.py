@@ -37,7 +37,6 @@ from specroll_jax.reflex import ReflexConfig, ReflexGlobal
 from specroll_jax.sampling import SamplingConfig
 from specroll_jax.slow_path import SlowPathConfig, SlowPathState
 
-
 RECORD_SOURCES = ("rollout", "trainer")
 
 

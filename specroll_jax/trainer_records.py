@@ -101,8 +101,8 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
 _build_jit = jax.jit(_build, static_argnums=(0, 1, 2, 3))
 
 
-def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads, hidden: Float[Array, "B M D"],
-                tokens: Int[Array, "B M"], lengths: Int[Array, " B"],
+def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
+                hidden: Float[Array, "B M D"], tokens: Int[Array, "B M"], lengths: Int[Array, " B"],
                 prompt_lengths: Int[Array, " B"], *, sampling: SamplingConfig, key,
                 num_anchors: int) -> _records.Records:
   """Records [K, num_anchors] from the anchor hidden states of a teacher-forced forward
