@@ -94,8 +94,9 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
   st = {f: jnp.stack(v) for f, v in out.items()}  # [K, n, ...]
   if not head_kinds.is_conditioned(heads):
     st["path"] = None
+  # count: records written per head (what the monitor counts, ``slow_path.batch_stats``)
   return _records.Records(**st, correction=jnp.zeros_like(st["hidden"]),
-                          count=jnp.zeros((k,), jnp.int32))
+                          count=st["valid"].sum(1).astype(jnp.int32))
 
 
 _build_jit = jax.jit(_build, static_argnums=(0, 1, 2, 3))

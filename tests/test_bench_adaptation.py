@@ -46,6 +46,12 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
     assert all(r["same"] for r in rec), arm
     assert all(np.isfinite(r["tau"]) and r["tau"] >= 1.0 for r in rec), arm
     assert data["summary"][arm]["all_same"] is True
+  # arm trainer: records from the trainer's forward each batch, the slow path saw them
+  for r in data["arms"]["trainer"]:
+    assert r["trainer_forward_seconds"] > 0 and r["records_seconds"] > 0
+    assert r["slow"]["decision"] in mod.SP.REASONS and sum(r["slow"]["records"]) > 0
+  assert data["summary"]["trainer"]["trainer_forward_seconds"] > 0
+  assert any(g["goal"].startswith("(d')") for g in data["goals"])
   # the policies drift: KL to step 0 is 0 at step 0, positive after; the parameters moved
   p = data["policies"]
   assert [x["step"] for x in p] == [0, 1, 2]

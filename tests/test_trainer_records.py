@@ -58,6 +58,7 @@ def test_records_match_an_independent_computation(trained_model, batch):
   p_all = np.asarray(jax.nn.softmax(allowed_logits(_dec.logits_from_hidden(
       config, params, jnp.asarray(hid[rows[:, None], lab])), SAMPLING), axis=-1))  # [N, K, V]
   valid = np.asarray(rec.valid)
+  np.testing.assert_array_equal(np.asarray(rec.count), valid.sum(1))  # what the monitor counts
   checked = 0
   for i in range(3):
     np.testing.assert_array_equal(valid[i], cols + i + 1 < lens[rows])
