@@ -96,6 +96,10 @@ def parse(argv):
                        "measured acceptance; fixed: the --spec preset's budget")
   ap.add_argument("--rollout", default="specroll", choices=list(ROLLOUTS))
   ap.add_argument("--slow-path", default="degradation", choices=list(SP.MODES))
+  ap.add_argument("--slow-records", default="rollout", choices=list(adaptation.RECORD_SOURCES),
+                  help="where the slow path's records come from: Reflex's, matured in the decode "
+                       "loop (rollout), or the GRPO step's own forward of the batch (trainer: "
+                       "none recorded in the decode loop; AdaptationConfig.records)")
   ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
   ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
   ap.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES))
@@ -179,7 +183,10 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   slow = SP.SlowPathConfig(mode=a.slow_path)
   if a.model is None:  # a short CPU run: windows sized for tens of steps, not thousands
     slow = SP.SlowPathConfig.for_tests(mode=a.slow_path)
-  adapt = adaptation.AdaptationConfig(reflex=ReflexConfig(topk=spec.topk), slow=slow)
+  reflex = ReflexConfig(topk=spec.topk)
+  if a.slow_records == "trainer":  # the decode loop records nothing
+    reflex = dataclasses.replace(reflex, record_capacity=0)
+  adapt = adaptation.AdaptationConfig(reflex=reflex, slow=slow, records=a.slow_records)
   return RunConfig(grpo=grpo, task=Task(name=a.task, level=a.level), prompts_per_step=a.prompts,
                    max_new_tokens=a.max_new_tokens, steps=a.steps, seed=a.seed,
                    rollout=rollout_kind, spec=spec, adaptation=adapt, kernels=a.kernels,

@@ -53,10 +53,16 @@ class AdaptationConfig:
   # from the trainer's forward, ``trainer_records``, to :func:`after_trainer`, which runs it; the
   # decode loop then needs no records: ``reflex.record_capacity`` may be 0)
   records: str = "rollout"
+  # records="trainer": anchors drawn per batch from the trainer's forward (records per head, at
+  # most), for the loops that build them (``grpo.loop.Run``)
+  trainer_anchors: int = 512
 
   def __post_init__(self):
     check_type(self, "reflex", ReflexConfig)
     check_type(self, "slow", SlowPathConfig)
+    t = self.trainer_anchors
+    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+      raise ValueError(f"AdaptationConfig.trainer_anchors must be an int >= 1, got {t!r}")
     if self.records not in RECORD_SOURCES:
       raise ValueError(f"AdaptationConfig.records must be one of {RECORD_SOURCES}, got "
                        f"{self.records!r}")

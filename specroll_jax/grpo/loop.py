@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from specroll_jax import adaptation as _adapt
 from specroll_jax import rewards as _rewards
 from specroll_jax import rollout as _rollout
+from specroll_jax import trainer_records as _trainer_records
 from specroll_jax.adaptation import AdaptationConfig
 from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.config import SpecConfig
@@ -150,7 +151,10 @@ class Run:
     if self.cache_length > config.max_position_embeddings:
       raise ValueError(f"prompt width {self.data.width} + max_new_tokens {run.max_new_tokens} "
                        f"exceeds max_position_embeddings {config.max_position_embeddings}")
-    self.train_step = make_train_step(config, run.grpo)
+    # SpecRoll with the slow path's records from the trainer's own forward (records="trainer"):
+    # the step hands out its forward's anchor hidden states
+    self.trainer_records = run.rollout == "specroll" and run.adaptation.records == "trainer"
+    self.train_step = make_train_step(config, run.grpo, return_hidden=self.trainer_records)
     # several processes (``distributed.initialize``): every process holds the same global batch
     # on the host, decodes and scores only the rows its devices hold under P("data") (the sample
     # ids make them the rows one process would sample), and feeds them to the data-parallel step
@@ -315,10 +319,24 @@ class Run:
     rewards = np.zeros((len(toks),), np.float32)
     copy = jax.tree.map(jnp.array, self.state)
     t0 = time.perf_counter()
-    new, m = self.train_step(copy, self._global_batch(Batch.from_rollout(toks, lens, out,
-                                                                         rewards)))
-    jax.block_until_ready(m.loss)
-    return {"rollout_warmup_seconds": t_roll, "train_warmup_seconds": time.perf_counter() - t0}
+    b = Batch.from_rollout(toks, lens, out, rewards)
+    res = self.train_step(copy, self._global_batch(b))
+    jax.block_until_ready(res[1].loss)
+    t_train = time.perf_counter() - t0
+    if self.trainer_records:  # compile the records and the monitor (results dropped)
+      recs = self._records(self.local_params(), b, res[2], out.adaptation, self.next_step)
+      _adapt.after_trainer(out.adaptation, self.config, self.local_params(), recs,
+                           out.adaptation_report)
+    return {"rollout_warmup_seconds": t_roll, "train_warmup_seconds": t_train}
+
+  def _records(self, params, b: Batch, hidden, adapt, step: int):
+    """The slow path's records of batch ``b`` from the train step's anchor hidden states."""
+    cfg = adapt.config
+    n = min(cfg.trainer_anchors, hidden.shape[0] * hidden.shape[1])
+    return _trainer_records.from_hidden(
+        cfg.reflex, self.config, params, adapt.heads, hidden, b.tokens, b.lengths,
+        b.prompt_lengths, sampling=self.sampling,
+        key=jax.random.fold_in(jax.random.key(self.run.seed), step), num_anchors=n)
 
   def step(self) -> dict:
     """One GRPO step; returns its metrics (also appended to metrics.jsonl)."""
@@ -339,6 +357,7 @@ class Run:
     t_roll = time.perf_counter() - t_start
     report = out.adaptation_report or {}
     adapt_s = float(report.get("adaptation_seconds", 0.0))
+    trainer_s = 0.0  # records from the train step's forward + the slow path (records="trainer")
     if out.adaptation is not None:
       self.adapt = jax.device_put(out.adaptation, self.replicated)
     t0 = time.perf_counter()
@@ -348,10 +367,19 @@ class Run:
     correct = _rewards.batch_rewards(texts, golds)
     t_reward = time.perf_counter() - t0
     t0 = time.perf_counter()
-    self.state, m = self.train_step(self.state, self._global_batch(
-        Batch.from_rollout(toks, lens, out, rewards)))
-    m = jax.device_get(m)
+    b = self._global_batch(Batch.from_rollout(toks, lens, out, rewards))
+    # the step donates the state: the records read the policy before the update, so keep a copy
+    before = jax.tree.map(jnp.copy, params) if self.trainer_records else None
+    res = self.train_step(self.state, b)
+    self.state, m = res[0], jax.device_get(res[1])
     t_train = time.perf_counter() - t0
+    if self.trainer_records:  # the slow path on the train step's own forward (params: before it)
+      t0 = time.perf_counter()
+      recs = self._records(before, b, res[2], self.adapt, k)
+      adapt, trainer_report = _adapt.after_trainer(self.adapt, self.config, before, recs, report)
+      self.adapt = jax.device_put(adapt, self.replicated)
+      report = {**report, "slow": trainer_report}
+      trainer_s = time.perf_counter() - t0 - float(trainer_report.get("compile_seconds") or 0.0)
     # the whole batch's rows (every process's), for metrics and traces
     toks, lens, out_toks, out_lens, rewards, correct, logprobs = (
         self._gather(x) for x in (toks, lens, out_toks, out_lens, rewards, correct, out.logprobs))
@@ -369,7 +397,7 @@ class Run:
         "clip_fraction": float(m.clip_fraction), "logp_gap_mean": float(m.logp_gap_mean),
         "logp_gap_max": float(m.logp_gap_max), "rollout_kl": float(m.rollout_kl),
         "entropy": float(m.entropy), "grad_norm": float(m.grad_norm),
-        "rollout_seconds": t_roll - adapt_s, "adaptation_seconds": adapt_s,
+        "rollout_seconds": t_roll - adapt_s, "adaptation_seconds": adapt_s + trainer_s,
         "reward_seconds": t_reward, "train_seconds": t_train,
         "step_seconds": time.perf_counter() - t_start,
         "head_acceptance": [float(x) for x in np.asarray(st.head_acceptance)],
