@@ -499,9 +499,6 @@ class AdaptArm:
     return float(rep["adaptation_seconds"]) - comp, comp, info
 
 
-_trainer_forward = jax.jit(_logprobs.trainer_hidden, static_argnums=0)
-
-
 class TrainerArm(AdaptArm):
   """Arm trainer: ``adaptation`` with ``records="trainer"``. After each rollout the trainer's
   teacher-forced forward of the batch under the policy that rolled it out (run here, since the
@@ -523,15 +520,14 @@ class TrainerArm(AdaptArm):
     pb = self.policies.get(b)
     arr, _, lens = self.batches[b]
     t = time.perf_counter()
-    hid = jax.block_until_ready(_trainer_forward(self.config, pb, jnp.asarray(arr),
-                                                 jnp.asarray(lens), out.tokens, out.lengths))
+    hid = jax.block_until_ready(TR.anchor_hidden(self.config, pb, arr, lens, out.tokens,
+                                                 out.lengths))
     fwd = time.perf_counter() - t
     t = time.perf_counter()
-    n = min(self.num_anchors, hid.shape[0] * hid.shape[1])
     recs = jax.block_until_ready(TR.from_hidden(
         cfg, self.config, pb, out.adaptation.heads, hid, out.tokens, out.lengths,
         jnp.asarray(lens), sampling=self.sampling, key=jax.random.key(self.seed * 7919 + b),
-        num_anchors=n))
+        num_anchors=self.num_anchors))
     return pb, recs, fwd, time.perf_counter() - t
 
   def warm(self, out) -> None:

@@ -44,12 +44,15 @@ from specroll_jax.sampling import SamplingConfig, allowed_logits
 def sample_anchors(key, lengths: Int[Array, " B"], max_len: int, num_anchors: int):
   """(rows [n], columns [n], found [n] bool): ``num_anchors`` distinct (row, j) pairs drawn
   uniformly from the anchors that predict at least one committed token (j + 1 < length); when
-  fewer exist, every one of them is taken and the rest are marked not found."""
+  fewer exist (``num_anchors`` may exceed B x M), every one of them is taken and the rest are
+  marked not found (their rows and columns are in range, their records invalid)."""
   b = lengths.shape[0]
   j = jnp.arange(max_len)[None]
   ok = j + 1 < lengths[:, None]  # [B, M]
   score = jnp.where(ok, jax.random.uniform(key, (b, max_len)), -1.0).reshape(-1)
+  score = jnp.pad(score, (0, max(0, num_anchors - b * max_len)), constant_values=-1.0)
   top, idx = jax.lax.top_k(score, num_anchors)
+  idx = jnp.minimum(idx, b * max_len - 1)
   return (idx // max_len).astype(jnp.int32), (idx % max_len).astype(jnp.int32), top >= 0
 
 
@@ -111,8 +114,10 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
   ``grpo.trainer_hidden`` and ``TrainStep(return_hidden=True)`` give them) of the finished
   responses ``tokens`` (``lengths``, EOS included) after prompts of ``prompt_lengths``, under the
   target ``params`` and the rollout's ``sampling``. ``key`` draws the anchors; head k's record at
-  an anchor is valid when its predicted token was committed. ``cfg`` fixes the support and
-  candidate shapes (those of the slow path's reservoir: ``slow_path.init`` with
+  an anchor is valid when its predicted token was committed. The records' shape does not depend
+  on the batch: when it holds fewer than ``num_anchors`` anchors, all are taken and the remaining
+  records are invalid (``valid`` False, ``count`` counts the valid ones). ``cfg`` fixes the
+  support and candidate shapes (those of the slow path's reservoir: ``slow_path.init`` with
   ``support_size=cfg.support_size, num_candidates=cfg.max_candidates``). Jitted; ``cfg``,
   ``config``, ``sampling`` and ``num_anchors`` are static."""
   if not isinstance(cfg, ReflexConfig):
@@ -130,9 +135,6 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
     if tuple(np.shape(arr)) != want[name]:
       raise ValueError(f"{name} has shape {tuple(np.shape(arr))}, expected {want[name]} "
                        f"(hidden is {tuple(hidden.shape)})")
-  if num_anchors > b * m:
-    raise ValueError(f"num_anchors={num_anchors} exceeds the batch's B x M = {b} x {m} = "
-                     f"{b * m} anchors")
   return _build_jit(cfg, config, sampling, int(num_anchors), params, heads, jnp.asarray(hidden),
                     jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
                     jnp.asarray(prompt_lengths, jnp.int32), key)
@@ -144,17 +146,24 @@ def _anchor_hidden(params, prompt_tokens, prompt_lengths, tokens, lengths, *, co
   return trainer_hidden(config, params, prompt_tokens, prompt_lengths, tokens, lengths)
 
 
+def anchor_hidden(config: ModelConfig, params, prompt_tokens, prompt_lengths, tokens,
+                  lengths) -> Float[Array, "B M D"]:
+  """The anchor hidden states [B, M, D] of the trainer's teacher-forced forward
+  (``grpo.trainer_hidden``, jitted here; ``config`` static): what :func:`from_hidden` reads."""
+  return _anchor_hidden(params, jnp.asarray(prompt_tokens, jnp.int32),
+                        jnp.asarray(prompt_lengths, jnp.int32), jnp.asarray(tokens, jnp.int32),
+                        jnp.asarray(lengths, jnp.int32), config=config)
+
+
 def from_rollout(cfg: ReflexConfig, config: ModelConfig, params, heads, prompt_tokens,
                  prompt_lengths, tokens, lengths, *, sampling: SamplingConfig, key,
                  num_anchors: int) -> _records.Records:
   """:func:`from_hidden` after a teacher-forced forward of its own (``grpo.trainer_hidden``): for
   a trainer that cannot hand out the hidden states of the forward it runs anyway. This forward
   is an extra cost; ``TrainStep(return_hidden=True)`` avoids it."""
-  hid = _anchor_hidden(params, jnp.asarray(prompt_tokens, jnp.int32),
-                       jnp.asarray(prompt_lengths, jnp.int32), jnp.asarray(tokens, jnp.int32),
-                       jnp.asarray(lengths, jnp.int32), config=config)
+  hid = anchor_hidden(config, params, prompt_tokens, prompt_lengths, tokens, lengths)
   return from_hidden(cfg, config, params, heads, hid, tokens, lengths, prompt_lengths,
                      sampling=sampling, key=key, num_anchors=num_anchors)
 
 
-__all__ = ["from_hidden", "from_rollout", "sample_anchors"]
+__all__ = ["anchor_hidden", "from_hidden", "from_rollout", "sample_anchors"]

@@ -109,11 +109,33 @@ def test_fewer_anchors_than_asked_are_marked_not_found():
   rows, cols, found = map(np.asarray, TR.sample_anchors(jax.random.key(0), lens, 4, 5))
   assert found.sum() == 2
   assert sorted(zip(rows[found], cols[found], strict=True)) == [(0, 0), (0, 1)]
+  # more than B x M asked: the same draw, padded with in-range rows and columns marked not found
+  r2, c2, f2 = map(np.asarray, TR.sample_anchors(jax.random.key(0), lens, 4, 11))
+  assert f2.sum() == 2 and (r2 < 2).all() and (c2 < 4).all()
+  assert sorted(zip(r2[f2], c2[f2], strict=True)) == [(0, 0), (0, 1)]
+
+
+def test_more_anchors_than_the_batch_holds_pad_with_invalid_records(trained_model, batch):
+  """The records' shape is fixed by num_anchors: a batch with fewer anchors gives every one of
+  them (the records of asking exactly B x M) and invalid records after them."""
+  config, params, _ = trained_model
+  arr, plens, toks, lens, hid, heads = batch
+  sl = (slice(0, 2), slice(0, 4))  # B x M = 8
+  kw = dict(sampling=SAMPLING, key=jax.random.key(4))
+  args = (CFG, config, params, heads, hid[sl], toks[sl], lens[:2], plens[:2])
+  exact = TR.from_hidden(*args, num_anchors=8, **kw)
+  more = TR.from_hidden(*args, num_anchors=11, **kw)
+  assert more.valid.shape == (3, 11)
+  assert not np.asarray(more.valid[:, 8:]).any()
+  np.testing.assert_array_equal(np.asarray(more.count), np.asarray(exact.count))
+  for x, y in zip(jax.tree.leaves(exact), jax.tree.leaves(more), strict=True):
+    if x.ndim >= 2:
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y)[:, :8])
 
 
 @pytest.mark.parametrize("kw, match", [
     ({"num_anchors": 0}, "num_anchors must be an int >= 1"),
-    ({"num_anchors": 10_000}, "exceeds the batch"),
+    ({"num_anchors": 2.5}, "num_anchors must be an int >= 1"),
     ({"lengths": np.ones(3, np.int32)}, "lengths has shape"),
 ])
 def test_bad_input(trained_model, batch, kw, match):

@@ -323,7 +323,8 @@ class Run:
     res = self.train_step(copy, self._global_batch(b))
     jax.block_until_ready(res[1].loss)
     t_train = time.perf_counter() - t0
-    if self.trainer_records:  # compile the records and the monitor (results dropped)
+    if self.trainer_records:  # compile the records, the monitor and (if it fires) the refresh
+      # on copies, as the rollout's own after_rollout above does (results dropped)
       recs = self._records(self.local_params(), b, res[2], out.adaptation, self.next_step)
       _adapt.after_trainer(out.adaptation, self.config, self.local_params(), recs,
                            out.adaptation_report)
@@ -332,11 +333,11 @@ class Run:
   def _records(self, params, b: Batch, hidden, adapt, step: int):
     """The slow path's records of batch ``b`` from the train step's anchor hidden states."""
     cfg = adapt.config
-    n = min(cfg.trainer_anchors, hidden.shape[0] * hidden.shape[1])
     return _trainer_records.from_hidden(
         cfg.reflex, self.config, params, adapt.heads, hidden, b.tokens, b.lengths,
         b.prompt_lengths, sampling=self.sampling,
-        key=jax.random.fold_in(jax.random.key(self.run.seed), step), num_anchors=n)
+        key=jax.random.fold_in(jax.random.key(self.run.seed), step),
+        num_anchors=cfg.trainer_anchors)
 
   def step(self) -> dict:
     """One GRPO step; returns its metrics (also appended to metrics.jsonl)."""
