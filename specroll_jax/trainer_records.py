@@ -135,6 +135,10 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
     if tuple(np.shape(arr)) != want[name]:
       raise ValueError(f"{name} has shape {tuple(np.shape(arr))}, expected {want[name]} "
                        f"(hidden is {tuple(hidden.shape)})")
+  lens = np.asarray(lengths)
+  if lens.size and (lens.min() < 0 or lens.max() > m):
+    raise ValueError(f"lengths must lie in [0, M={m}] (the responses' columns), got min "
+                     f"{lens.min()}, max {lens.max()}")
   return _build_jit(cfg, config, sampling, int(num_anchors), params, heads, jnp.asarray(hidden),
                     jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
                     jnp.asarray(prompt_lengths, jnp.int32), key)

@@ -122,7 +122,7 @@ def test_more_anchors_than_the_batch_holds_pad_with_invalid_records(trained_mode
   arr, plens, toks, lens, hid, heads = batch
   sl = (slice(0, 2), slice(0, 4))  # B x M = 8
   kw = dict(sampling=SAMPLING, key=jax.random.key(4))
-  args = (CFG, config, params, heads, hid[sl], toks[sl], lens[:2], plens[:2])
+  args = (CFG, config, params, heads, hid[sl], toks[sl], np.minimum(lens[:2], 4), plens[:2])
   exact = TR.from_hidden(*args, num_anchors=8, **kw)
   more = TR.from_hidden(*args, num_anchors=11, **kw)
   assert more.valid.shape == (3, 11)
@@ -137,6 +137,7 @@ def test_more_anchors_than_the_batch_holds_pad_with_invalid_records(trained_mode
     ({"num_anchors": 0}, "num_anchors must be an int >= 1"),
     ({"num_anchors": 2.5}, "num_anchors must be an int >= 1"),
     ({"lengths": np.ones(3, np.int32)}, "lengths has shape"),
+    ({"lengths": np.full(8, M + 1, np.int32)}, r"lengths must lie in \[0, M=24\]"),
 ])
 def test_bad_input(trained_model, batch, kw, match):
   config, params, _ = trained_model
