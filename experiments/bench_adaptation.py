@@ -30,8 +30,9 @@ same ranked expansion (``ReflexConfig``'s topk / beams / max_nodes, uncalibrated
 runs the same ``SpecConfig`` (--node-budget, or --nodes per row). --no-drift replays the step-0
 policy in every batch: a null run, where any slow-path refresh is a false alarm.
 
-  (a) static       the step-0 heads, never changed (``adaptation`` with corrections and the slow
-                   path off: the plain ``RankedHeads`` proposer)
+  (a) static       the step-0 heads, never changed: the plain ``RankedHeads`` proposer, the
+                   ceiling's program with step 0's heads (what ``adaptation`` proposes with its
+                   corrections and the slow path off)
   (b) reflex       Reflex fast path only (slow path off)
   (c) slow         slow path only ("degradation"; Reflex records but never corrects)
   (d) both         SpecRoll: Reflex + slow path ("degradation")
@@ -180,6 +181,10 @@ def parse(argv):
   ap.add_argument("--node-budget", type=int, default=32)
   ap.add_argument("--nodes", type=int, default=None,
                   help="nodes per row in every bucket (overrides --node-budget)")
+  ap.add_argument("--buckets", type=float, nargs="+", default=None,
+                  help="row buckets of the replay's engines, as fractions of the batch "
+                       "(descending from 1.0; default the engines' own: each bucket is one more "
+                       "decode loop to compile)")
   ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   ap.add_argument("--ceiling-prompts", type=int, default=512)
   ap.add_argument("--ceiling-steps", type=int, default=1500)
@@ -222,12 +227,18 @@ def parse(argv):
     _synthetic.Difficulty.from_level(a.level)
   except ValueError as e:
     cli.fail("--level", a.level, _one_line(e))
+  if a.buckets is not None:
+    try:
+      rollout.SpecConfig(bucket_fractions=tuple(a.buckets))
+    except ValueError as e:
+      cli.fail("--buckets", a.buckets, _one_line(e))
   if a.model is not None and not Path(a.model).is_dir():
     cli.fail("--model", a.model, "is not a folder (a Hugging Face model folder is expected)")
   if a.quick:
     a.grpo_steps, a.save_every, a.grpo_prompts, a.grpo_group, a.grpo_max_new_tokens = 2, 1, 2, 4, 24
     a.batches, a.prompts, a.group, a.max_new_tokens = 3, 2, 2, 24
     a.arms, a.ceiling_prompts, a.ceiling_steps, a.calibration = list(QUICK_ARMS), 16, 20, 1
+    a.buckets = [1.0]  # one decode loop per program: a third of the compile at 4 rows
   suffix = "_quick" if a.quick else ""
   a.policies = a.policies or DEFAULT_POLICIES + suffix
   a.out = a.out or f"runs/bench_adaptation{suffix}.json"
@@ -649,23 +660,24 @@ def main(argv=None):
     heads0 = pipeline.fitted_cond_heads(config, params, tok, path, num_prompts=a.ceiling_prompts,
                                         max_new_tokens=a.max_new_tokens, sampling=sampling,
                                         steps=a.ceiling_steps, task=task)
-  n_buckets = len(rollout.SpecConfig().bucket_fractions)
-  spec = rollout.SpecConfig(node_budget=a.node_budget,
-                            nodes=None if a.nodes is None else (a.nodes,) * n_buckets)
+  fractions = rollout.SpecConfig().bucket_fractions if a.buckets is None else tuple(a.buckets)
+  spec = rollout.SpecConfig(node_budget=a.node_budget, bucket_fractions=fractions,
+                            nodes=None if a.nodes is None else (a.nodes,) * len(fractions))
   rcfg = ReflexConfig(topk=spec.topk, conditioned=True, stride_rows=a.reflex_stride_rows)
   batches, width = replay_batches(a, tok, task)
   kw = lambda b: dict(sampling=sampling, max_new_tokens=a.max_new_tokens, seed=a.seed,
                       sample_ids=batches[b][1], eos_ids=tok.eos_ids,
                       prompt_lengths=batches[b][2], cache_length=width + a.max_new_tokens)
+  van_kw = {} if a.buckets is None else {"bucket_fractions": tuple(a.buckets)}
   # vanilla: the reference tokens, the policies' entropy and KL to step 0 along them
   ref, van_s, pol = [], [], []
   p0 = policies.get(0)
   for b in progress_range(a.batches, "vanilla rollouts + KL / entropy per policy"):
     pb = policies.get(b)
     if b == 0:  # compile
-      jax.block_until_ready(rollout.generate(config, pb, batches[b][0], **kw(b)).tokens)
+      jax.block_until_ready(rollout.generate(config, pb, batches[b][0], **kw(b), **van_kw).tokens)
     t = time.perf_counter()
-    out = rollout.generate(config, pb, batches[b][0], **kw(b))
+    out = rollout.generate(config, pb, batches[b][0], **kw(b), **van_kw)
     jax.block_until_ready(out.tokens)
     van_s.append(time.perf_counter() - t)
     ref.append((np.asarray(out.tokens), np.asarray(out.lengths)))
@@ -691,7 +703,9 @@ def main(argv=None):
   mg = Merged(heads=ranked, lookup=gl, max_nodes=rcfg.max_nodes)
   calibrate = not a.no_calibration
   results, warmup_s, both_heads = {}, {}, None
-  for arm in a.arms:
+  # static, then ceiling: one program (the ranked heads, other parameters), compiled once
+  order = sorted(a.arms, key=lambda x: (x not in ("static", "ceiling"), ARMS.index(x)))
+  for i, arm in enumerate(order):
     if arm == "trainer":
       ac = A.AdaptationConfig(
           reflex=dataclasses.replace(rcfg, stride_rows=a.trainer_stride_rows, record_capacity=0),
@@ -699,6 +713,8 @@ def main(argv=None):
       runner = TrainerArm(_commit(A.init(ac, heads0)), config=config, policies=policies,
                           batches=batches, sampling=sampling, num_anchors=a.trainer_anchors,
                           seed=a.seed)
+    elif arm == "static":  # the ceiling's program (same proposer, step 0's heads): one compile
+      runner = ProposerArm(ranked, lambda b, t: ranked.params(heads0), calibrate=False)
     elif arm in ADAPT:
       corr, mode = ADAPT[arm]
       ac = A.AdaptationConfig(reflex=dataclasses.replace(rcfg, apply_corrections=corr),
@@ -744,7 +760,9 @@ def main(argv=None):
     if isinstance(runner, AdaptArm) and runner.heads is not None:
       both_heads = runner.heads
     del runner
-    _release()
+    if order[i:i + 2] != ["static", "ceiling"]:
+      _release()
+  results = {x: results[x] for x in a.arms}
   summary, goals = report(results, pol, van_s, a)
   meta = {"command": "experiments/bench_adaptation.py " + " ".join(
       sys.argv[1:] if argv is None else argv), "cpu": _common.cpu_model(), "jax": jax.__version__,

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
@@ -201,8 +202,10 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
   model = CostModel(rows=rows, node_counts=node_counts, seconds=tuple(map(tuple, table)),
                     machine=_machine.cpu_model())
   folder.mkdir(parents=True, exist_ok=True)
-  tmp = file.with_suffix(".tmp")
-  tmp.write_text(model.to_json())
+  # a unique temporary name: two processes measuring the same table do not clash
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{file.name}.", suffix=".tmp")
+  with os.fdopen(fd, "w") as f:
+    f.write(model.to_json())
   os.replace(tmp, file)
   return model
 

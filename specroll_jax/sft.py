@@ -193,8 +193,9 @@ def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
 
 
 def _write_json_atomic(file: Path, obj) -> None:
-  tmp = file.with_suffix(".json.tmp")
-  tmp.write_text(json.dumps(obj, indent=2))
+  fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
+  with os.fdopen(fd, "w") as f:  # a unique name: concurrent writers do not clash
+    f.write(json.dumps(obj, indent=2))
   os.replace(tmp, file)
 
 
