@@ -82,8 +82,9 @@ Cost on 2 CPU cores: a ceiling fit at the defaults (512 prompts, 1500 steps) tak
 once per --ceiling-every-th replayed policy (default every 2nd); fits are cached in
 --policies/ceiling, keyed by the policy and every setting the fit reads, so reruns refit nothing.
 --quick: 2 GRPO steps of 2 x 4 saved at every step (3 policies), 3 batches of 2 x 2, 24 tokens,
-arms static, both, ceiling (16 prompts, 20 steps), lookup; its policies go to --policies (default
-..._quick).
+one row bucket (--buckets 1.0: one decode loop per program), arms static, both, trainer and
+ceiling (16 prompts, 20 steps; static and ceiling share one program); its policies go to
+--policies (default ..._quick).
 """
 
 from __future__ import annotations
@@ -123,7 +124,7 @@ from specroll_jax.sampling import allowed_logits
 
 ARMS = ("static", "reflex", "slow", "both", "trainer", "every_batch", "scheduled", "ceiling",
         "lookup", "merged")
-QUICK_ARMS = ("static", "both", "trainer", "ceiling", "lookup")
+QUICK_ARMS = ("static", "both", "trainer", "ceiling")
 # the adaptation arms: (Reflex corrections, slow-path mode)
 ADAPT = {"static": (False, "off"), "reflex": (True, "off"), "slow": (False, "degradation"),
          "both": (True, "degradation"), "trainer": (True, "degradation"),

@@ -1,6 +1,7 @@
 """experiments/bench_adaptation.py in-process: the --quick run (a GRPO policy sequence saved with
 orbax, replayed by every quick arm with the vanilla tokens), reuse of a saved sequence, and bad
-input (a --policies folder of another model's checkpoints, an unknown arm): one line, exit 2."""
+input (a --policies folder of another model's checkpoints, an unknown arm, bad --buckets): one
+line, exit 2."""
 
 import json
 
@@ -23,7 +24,7 @@ def _one_line_exit_2(capsys, fn, name):
   return lines[0]
 
 
-@pytest.mark.slow  # a GRPO run + 4 arms: about 1 min
+@pytest.mark.slow  # a GRPO run + 4 arms (3 rollout programs): about 2.5 min on 2 cores
 def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   mod = load_script("bench_adaptation.py")
@@ -125,3 +126,16 @@ def test_unknown_arm_exit_2(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   main = load_script("bench_adaptation.py").main
   _one_line_exit_2(capsys, lambda: main(["--arms", "static", "fastest"]), "--arms")
+
+
+@pytest.mark.parametrize("buckets", [["0.5"], ["1.0", "2.0"], ["1.0", "0"]])
+def test_bad_buckets_exit_2(tmp_path, monkeypatch, capsys, buckets):
+  monkeypatch.chdir(tmp_path)
+  parse = load_script("bench_adaptation.py").parse
+  line = _one_line_exit_2(capsys, lambda: parse(["--buckets", *buckets]), "--buckets")
+  assert "bucket_fractions" in line
+
+
+def test_quick_replays_in_one_bucket():
+  a = load_script("bench_adaptation.py").parse(["--quick"])
+  assert a.buckets == [1.0] and "lookup" not in a.arms
