@@ -126,7 +126,7 @@ ARMS = ("static", "reflex", "slow", "both", "trainer", "every_batch", "scheduled
         "lookup", "merged")
 QUICK_ARMS = ("static", "both", "trainer", "ceiling")
 # the adaptation arms: (Reflex corrections, slow-path mode)
-ADAPT = {"static": (False, "off"), "reflex": (True, "off"), "slow": (False, "degradation"),
+ADAPT = {"reflex": (True, "off"), "slow": (False, "degradation"),
          "both": (True, "degradation"), "trainer": (True, "degradation"),
          "every_batch": (False, "every_batch"),
          "scheduled": (True, "scheduled")}
@@ -669,7 +669,7 @@ def main(argv=None):
   kw = lambda b: dict(sampling=sampling, max_new_tokens=a.max_new_tokens, seed=a.seed,
                       sample_ids=batches[b][1], eos_ids=tok.eos_ids,
                       prompt_lengths=batches[b][2], cache_length=width + a.max_new_tokens)
-  van_kw = {} if a.buckets is None else {"bucket_fractions": tuple(a.buckets)}
+  van_kw = {} if a.buckets is None else {"bucket_fractions": fractions}
   # vanilla: the reference tokens, the policies' entropy and KL to step 0 along them
   ref, van_s, pol = [], [], []
   p0 = policies.get(0)

@@ -22,9 +22,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 
@@ -202,11 +200,8 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
   model = CostModel(rows=rows, node_counts=node_counts, seconds=tuple(map(tuple, table)),
                     machine=_machine.cpu_model())
   folder.mkdir(parents=True, exist_ok=True)
-  # a unique temporary name: two processes measuring the same table do not clash
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{file.name}.", suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    f.write(model.to_json())
-  os.replace(tmp, file)
+  from specroll_jax.models.hf import atomic_write
+  atomic_write(file, lambda tmp: Path(tmp).write_text(model.to_json()))
   return model
 
 

@@ -193,10 +193,8 @@ def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
 
 
 def _write_json_atomic(file: Path, obj) -> None:
-  fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=f".{file.name}.", suffix=".tmp")
-  with os.fdopen(fd, "w") as f:  # a unique name: concurrent writers do not clash
-    f.write(json.dumps(obj, indent=2))
-  os.replace(tmp, file)
+  from specroll_jax.models.hf import atomic_write
+  atomic_write(file, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2)))
 
 
 def build_default_model(*, progress: bool = True, max_seconds: float = 360.0) -> Path:

@@ -164,13 +164,15 @@ def save_pretrained(path, config: ModelConfig, params) -> None:
   if not config.tie_word_embeddings:
     tensors["lm_head.weight"] = params["lm_head"]["kernel"].T
   tensors = {k: np.ascontiguousarray(t.astype(config.jnp_dtype)) for k, t in tensors.items()}
-  _atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp,
+  atomic_write(path / "model.safetensors", lambda tmp: save_file(tensors, tmp,
                                                                   metadata={"format": "pt"}))
-  _atomic_write(path / "config.json",
+  atomic_write(path / "config.json",
                 lambda tmp: Path(tmp).write_text(json.dumps(config.to_hf_dict(), indent=2)))
 
 
-def _atomic_write(target: Path, write) -> None:
+def atomic_write(target: Path, write) -> None:
+  """``write(tmp)`` into a uniquely named sibling of ``target``, then renamed onto it: readers see
+  the old file or the new one, concurrent writers do not clash, a failed write leaves nothing."""
   fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
   os.close(fd)
   try:
