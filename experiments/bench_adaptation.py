@@ -82,8 +82,9 @@ Cost on 2 CPU cores: a ceiling fit at the defaults (512 prompts, 1500 steps) tak
 once per --ceiling-every-th replayed policy (default every 2nd); fits are cached in
 --policies/ceiling, keyed by the policy and every setting the fit reads, so reruns refit nothing.
 --quick: 2 GRPO steps of 2 x 4 saved at every step (3 policies), 3 batches of 2 x 2, 24 tokens,
-one row bucket (--buckets 1.0: one decode loop per program), arms static, both, trainer and
-ceiling (16 prompts, 20 steps; static and ceiling share one program); its policies go to
+one row bucket (--buckets 1.0: one decode loop per program, in the GRPO run's and the ceiling's
+vanilla rollouts too), arms static, trainer ((d'), the adaptation arm: Reflex and the slow path)
+and ceiling (16 prompts, 20 steps; static and ceiling share one program); its policies go to
 --policies (default ..._quick).
 """
 
@@ -124,7 +125,7 @@ from specroll_jax.sampling import allowed_logits
 
 ARMS = ("static", "reflex", "slow", "both", "trainer", "every_batch", "scheduled", "ceiling",
         "lookup", "merged")
-QUICK_ARMS = ("static", "both", "trainer", "ceiling")
+QUICK_ARMS = ("static", "trainer", "ceiling")
 # the adaptation arms: (Reflex corrections, slow-path mode)
 ADAPT = {"reflex": (True, "off"), "slow": (False, "degradation"),
          "both": (True, "degradation"), "trainer": (True, "degradation"),
@@ -202,7 +203,7 @@ def parse(argv):
   ap.add_argument("--no-calibration", action="store_true",
                   help="lookup / merged score with their prior tables")
   ap.add_argument("--quick", action="store_true",
-                  help="smoke run: 2 GRPO steps, 3 batches of 2 x 2, 24 tokens, 4 arms")
+                  help="smoke run: 2 GRPO steps, 3 batches of 2 x 2, 24 tokens, 3 arms")
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_warmup=0, grpo_prompts=1,
                              grpo_group=2, grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
@@ -370,7 +371,8 @@ def run_grpo(a, config, params, tok, ident, ck, have, want, metas) -> None:
                                   warmup_steps=a.grpo_warmup, sampling=sampling),
                   task=Task(name="synthetic", level=a.level), prompts_per_step=a.grpo_prompts,
                   max_new_tokens=a.grpo_max_new_tokens, steps=a.grpo_steps, seed=a.seed,
-                  rollout="vanilla")
+                  rollout="vanilla",
+                  vanilla_buckets=None if a.buckets is None else tuple(a.buckets))
   resume = bool(have)
   try:
     r = Run(cfg, config, params, tok, None, Path(a.policies) / "grpo", resume=resume,
@@ -603,12 +605,14 @@ def fit_ceilings(a, config, policies, tok, task, sampling, heads0,
       secs.append(0.0)
       ce.append(ce[-1])
       continue
-    key = hashlib.sha1(json.dumps({
-        "step": policies.steps[b], "model": policies.metas[policies.steps[b]].get("model"),
-        "grpo": grpo_settings(a), "prompts": a.ceiling_prompts,
-        "fit_steps": a.ceiling_steps, "max_new_tokens": a.max_new_tokens,
-        "sampling": repr(sampling), "seed": a.seed, "level": a.level,
-        "num_heads": heads0.num_heads, "width": heads0.width}, sort_keys=True).encode())
+    what = {"step": policies.steps[b], "model": policies.metas[policies.steps[b]].get("model"),
+            "grpo": grpo_settings(a), "prompts": a.ceiling_prompts,
+            "fit_steps": a.ceiling_steps, "max_new_tokens": a.max_new_tokens,
+            "sampling": repr(sampling), "seed": a.seed, "level": a.level,
+            "num_heads": heads0.num_heads, "width": heads0.width}
+    if a.buckets is not None:  # the rollouts' row layout (same tokens; hidden states to rounding)
+      what["buckets"] = list(a.buckets)
+    key = hashlib.sha1(json.dumps(what, sort_keys=True).encode())
     file = cache / f"step{policies.steps[b]:05d}_{key.hexdigest()[:12]}.safetensors"
     side = file.with_suffix(".json")
     if file.exists() and side.exists():
@@ -621,7 +625,9 @@ def fit_ceilings(a, config, policies, tok, task, sampling, heads0,
     params = policies.get(b)
     toks, lens, hid = pipeline.self_rollouts(config, params, tok, num_prompts=a.ceiling_prompts,
                                              max_new_tokens=a.max_new_tokens, sampling=sampling,
-                                             seed=a.seed + 1, chunk=64, task=task)
+                                             seed=a.seed + 1, chunk=64, task=task,
+                                             bucket_fractions=None if a.buckets is None
+                                             else tuple(a.buckets))
     hd = CH.init(jax.random.key(a.seed + 1234), config, heads0.num_heads, width=heads0.width)
     hd, hist = CH.fit(config, params, hd, toks, lens, hid, sampling=sampling,
                       steps=a.ceiling_steps, progress=False)

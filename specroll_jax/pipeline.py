@@ -62,10 +62,10 @@ def grpo_batch(prompt_ids, group_size: int, first_prompt_index: int = 0):
 
 def self_rollouts(config, params, tok: Tokenizer, *, num_prompts: int, max_new_tokens: int,
                   sampling: rollout.SamplingConfig, seed: int, offset: int = 0,
-                  chunk: int = 32, task=None):
+                  chunk: int = 32, task=None, bucket_fractions=None):
   """The target's own rollouts of *train* prompts of ``task`` (default GSM8K) with the hidden
-  states the heads train on (vanilla engine, ``return_hidden``): (tokens [N, M], lengths [N],
-  hidden [N, M, D])."""
+  states the heads train on (vanilla engine, ``return_hidden``; ``bucket_fractions`` its row
+  buckets, None: the engine's default): (tokens [N, M], lengths [N], hidden [N, M, D])."""
   if task is None:
     ids, _ = prompts(tok, "train", num_prompts, offset)
   else:
@@ -81,7 +81,8 @@ def self_rollouts(config, params, tok: Tokenizer, *, num_prompts: int, max_new_t
                          sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
                          cache_length=padded.shape[1] + max_new_tokens,
                          sample_ids=np.arange(i, min(i + chunk, num_prompts)),
-                         eos_ids=tok.eos_ids, return_hidden=True)
+                         eos_ids=tok.eos_ids, return_hidden=True,
+                         bucket_fractions=bucket_fractions)
     toks.append(np.asarray(r.tokens))
     lens.append(np.asarray(r.lengths))
     hid.append(np.asarray(r.hidden))

@@ -16,3 +16,12 @@ def test_grpo_batch_sample_ids():
 def test_grpo_batch_rejects_bad_group_size():
   with pytest.raises(ValueError, match="group_size must be >= 1, got 0"):
     pipeline.grpo_batch([[1]], 0)
+
+
+def test_run_config_vanilla_buckets():
+  from specroll_jax.grpo.loop import RunConfig
+  assert RunConfig().vanilla_buckets is None  # the engine's default buckets
+  assert RunConfig(vanilla_buckets=[1.0, 0.5]).vanilla_buckets == (1.0, 0.5)
+  for bad in ((0.5,), (1.0, 2.0), ()):
+    with pytest.raises(ValueError, match=r"RunConfig.vanilla_buckets must start at 1.0"):
+      RunConfig(vanilla_buckets=bad)

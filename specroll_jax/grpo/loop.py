@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from specroll_jax import adaptation as _adapt
+from specroll_jax import buckets as _buckets
 from specroll_jax import rewards as _rewards
 from specroll_jax import rollout as _rollout
 from specroll_jax import trainer_records as _trainer_records
@@ -61,6 +62,9 @@ class RunConfig:
     model of this machine measured once (``goodput.measure_cost`` over ``goodput_nodes``, cached)
     and the acceptance the adaptation state has measured so far; ``spec`` serves until the first
     measurement (a step that proposed). Where no tree pays, a bucket runs the plain step.
+  vanilla_buckets: the vanilla engine's row buckets (``rollout.generate``'s ``bucket_fractions``;
+    None: the engine's default). Each bucket is one more decode loop to compile; ``(1.0,)`` is one
+    loop, for short runs where compile time dominates. The tokens are the same for any buckets.
   """
 
   grpo: GRPOConfig = GRPOConfig()
@@ -81,8 +85,12 @@ class RunConfig:
   keep_checkpoints: int = 2
   goodput: bool = False
   goodput_nodes: tuple[int, ...] = (0, 1, 2, 4)
+  vanilla_buckets: tuple[float, ...] | None = None
 
   def __post_init__(self):
+    if self.vanilla_buckets is not None:
+      object.__setattr__(self, "vanilla_buckets", _buckets.check_fractions(
+          self.vanilla_buckets, "RunConfig.vanilla_buckets"))
     for name, lo in (("prompts_per_step", 1), ("max_new_tokens", 1), ("steps", 1),
                      ("eval_every", 0), ("eval_prompts", 1), ("keep_checkpoints", 1),
                      ("seed", 0), ("data_seed", 0)):
@@ -296,6 +304,8 @@ class Run:
     if self.run.rollout == "static-heads":
       return _rollout.generate(self.config, params, toks, spec=self.run.spec, heads=self.heads,
                                **kw)
+    if self.run.vanilla_buckets is not None:
+      kw["bucket_fractions"] = self.run.vanilla_buckets
     return _rollout.generate(self.config, params, toks, **kw)
 
   def batch(self, step: int):
