@@ -41,9 +41,12 @@ policy in every batch: a null run, where any slow-path refresh is a false alarm.
                    anchors drawn per batch from the teacher-forced forward GRPO's loss runs anyway
                    (``TrainStep(return_hidden=True)`` hands it out), none recorded in the decode
                    loop; Reflex feedback every ceil(--trainer-stride-rows x active / batch rows)
-                   steps. The replay has no trainer, so it runs that forward
-                   (``grpo.trainer_hidden``) and reports its seconds apart, not charged; the
-                   records' construction and the slow path are charged as host time
+                   steps, and Reflex sleeps (the plain heads propose, no in-loop cost) for
+                   --trainer-sleep batches after an awake batch whose corrections did not pay
+                   (``ReflexConfig.sleep_batches``; the batch after a sleep is awake). The
+                   replay has no trainer, so it runs that forward (``grpo.trainer_hidden``) and
+                   reports its seconds apart, not charged; the records' construction and the
+                   slow path are charged as host time
   (e) every_batch  slow path refitting every batch (FastGRPO-style), no Reflex corrections
   (e') scheduled   Reflex + the slow path's budgeted schedule ("scheduled": --slow-steps steps on
                    the head with the highest TV whenever 3 batches have passed and the refresh
@@ -179,6 +182,9 @@ def parse(argv):
   ap.add_argument("--trainer-stride-rows", type=float, default=4.0,
                   help="arm trainer: Reflex feedback every ceil(x * active rows / batch rows) "
                        "steps (its records are not needed: the library default 4)")
+  ap.add_argument("--trainer-sleep", type=int, default=3,
+                  help="arm trainer: batches Reflex sleeps after an awake batch whose corrections "
+                       "did not pay (ReflexConfig.sleep_batches; 0: never sleeps)")
   ap.add_argument("--calibration", type=int, default=6, help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=32)
   ap.add_argument("--nodes", type=int, default=None,
@@ -208,6 +214,7 @@ def parse(argv):
   _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_warmup=0, grpo_prompts=1,
                              grpo_group=2, grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
                              slow_reservoir=2, slow_steps=1, slow_check_every=1, trainer_anchors=1,
+                             trainer_sleep=0,
                              node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
                              ceiling_every=1, min_gap=0.0)
   if not 0 <= a.temperature < float("inf"):
@@ -498,6 +505,14 @@ class AdaptArm:
   def warm(self, out) -> None:
     """Nothing more to warm up: the warm-up rollout ran ``after_rollout`` (its state dropped)."""
 
+  def more_warmups(self) -> list[dict]:
+    """generate() keywords of further warm-up rollouts: with ``sleep_batches`` > 0, a sleeping
+    Reflex's batch (the plain heads' program), so no timed batch compiles."""
+    if self.state.config.reflex.sleep_batches == 0:
+      return []
+    r = self.state.reflex
+    return [{"adaptation": self.state.replace(reflex=r.replace(sleep=r.sleep + 1))}]
+
   def after(self, out) -> tuple[float, float, dict]:
     """(host seconds, compile seconds, report) of the batch just rolled out."""
     if self.heads is not None:
@@ -582,6 +597,9 @@ class ProposerArm:
     compiles eager ops."""
     if self.cal is not None:
       jax.block_until_ready(self.cal.update(out.stats.spec.proposer).table())
+
+  def more_warmups(self) -> list[dict]:
+    return []
 
   def after(self, out) -> tuple[float, float, dict]:
     t0 = time.perf_counter()
@@ -715,7 +733,8 @@ def main(argv=None):
   for i, arm in enumerate(order):
     if arm == "trainer":
       ac = A.AdaptationConfig(
-          reflex=dataclasses.replace(rcfg, stride_rows=a.trainer_stride_rows, record_capacity=0),
+          reflex=dataclasses.replace(rcfg, stride_rows=a.trainer_stride_rows, record_capacity=0,
+                                     sleep_batches=a.trainer_sleep),
           slow=slow_config(a, "degradation"), records="trainer").for_sampling(sampling)
       runner = TrainerArm(_commit(A.init(ac, heads0)), config=config, policies=policies,
                           batches=batches, sampling=sampling, num_anchors=a.trainer_anchors,
@@ -741,6 +760,9 @@ def main(argv=None):
     warm = rollout.generate(config, policies.get(0), batches[0][0], spec=spec, **gk, **kw(0))
     jax.block_until_ready(warm.tokens)
     runner.warm(warm)
+    for extra in runner.more_warmups():  # e.g. a sleeping Reflex's program (the plain heads)
+      jax.block_until_ready(rollout.generate(config, policies.get(0), batches[0][0], spec=spec,
+                                             **extra, **kw(0)).tokens)
     warmup_s[arm] = time.perf_counter() - t
     del warm
     rec = []
@@ -832,6 +854,8 @@ def summarize(results, van_s, a) -> dict:
     # arm trainer: the teacher-forced forward GRPO's loss runs anyway (not charged)
     s["trainer_forward_seconds"] = sum(r.get("trainer_forward_seconds") or 0.0 for r in rec)
     s["records_seconds"] = sum(r.get("records_seconds") or 0.0 for r in rec)
+    # ReflexConfig.sleep_batches: batches the plain heads proposed while Reflex slept
+    s["asleep_batches"] = sum(bool((r.get("reflex") or {}).get("asleep")) for r in rec)
     s["recovery_batches"] = 0
     s["recovery"] = None
     s["recovery_per_batch"] = None
@@ -897,7 +921,8 @@ def _arm_goals(summary, results, pol, a, arm, lab) -> list[dict]:
     if arm == "trainer":
       extra = (f" (the trainer's forward, {both['trainer_forward_seconds']:.2f} s = "
                f"{100 * both['trainer_forward_seconds'] / max(both['rollout_seconds'], 1e-9):.1f}%"
-               " of rollout, is GRPO's own and not charged)")
+               " of rollout, is GRPO's own and not charged; Reflex slept in "
+               f"{both['asleep_batches']} of {len(results[arm])} batches)")
     g.append({"goal": f"{lab} adaptation <= 5% of rollout time", "status": "PASS" if ok else "MISS",
               "detail": f"{lab}: in-loop {100 * both['in_loop_share']:.1f}% + host "
                         f"{100 * both['host_share']:.1f}% = {100 * both['adaptation_share']:.1f}%"

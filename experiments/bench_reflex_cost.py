@@ -17,7 +17,17 @@ For each model, at the same B rows and N tree nodes per row:
     corrections, the raw-head counterfactual, maturing records), in a full bucket (the row-adaptive
     feedback stride is 4) and in the tail (few rows left: records every step); a fresh state
     (gates closed); corrections off (records only); and with ``ReflexConfig.stride`` > 1;
-(c) the heads' own proposal cost: the static proposer's time in (b).
+(c) the heads' own proposal cost: the static proposer's time in (b);
+(d) the slow path's host work, the rest of SpecRoll's adaptation cost (between batches, not in the
+    decode loop): one guarded refresh of one head (``slow_path.retrain.refresh``: held-out
+    evaluation before and after, the proximal term's pre-refresh pass and --refresh-steps AdamW
+    steps, each over every record) on a reservoir of --refresh-records random valid records per
+    head, timed at 1 and 3 steps so that its cost splits into a fixed part (the three passes) and
+    a per-step part; and the records built from the trainer's forward of a batch
+    (``trainer_records.from_hidden``, --trainer-anchors anchors). Both are linear in the records
+    (their unembedding over V dominates), so the table also gives one refresh at the drift
+    replay's setting (1536 records per head, 10 steps: ``bench_adaptation.py``'s defaults),
+    scaled from the measured ones, all in units of one verify forward of the same model.
 
 The static baseline is what ``adaptation.proposer`` runs for Medusa heads with Reflex and the slow
 path off (``HeadsProposer``, the same heads and tree plan); root-conditioned heads are not timed.
@@ -285,6 +295,95 @@ def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, 
   return variants, cases
 
 
+# ---------------------------------------------------------------------------- slow path
+
+
+def random_reservoir(config, *, num_heads: int, capacity: int, support: int, candidates: int,
+                     seed: int):
+  """A full reservoir of random, valid records (every field filled as Reflex or the trainer
+  writes it: supports of distinct-enough ids, target probabilities on them, the committed token
+  among them), for timing: the refresh's work does not depend on the values."""
+  import jax
+  import jax.numpy as jnp
+
+  from specroll_jax import records as R
+  k, c, v, d = num_heads, capacity, config.vocab_size, config.hidden_size
+  keys = jax.random.split(jax.random.key(seed), 4)
+  sup = jax.random.randint(keys[0], (k, c, support), 0, v, jnp.int32)
+  p = jax.nn.softmax(2.0 * jax.random.normal(keys[1], (k, c, support)), -1)
+  return R.Records(hidden=jax.random.normal(keys[2], (k, c, d), jnp.float32),
+                   correction=jnp.zeros((k, c, d), jnp.float32), support=sup, p=p,
+                   p_tail=jnp.full((k, c), 0.1, jnp.float32), token=sup[..., 0],
+                   candidates=sup[..., :candidates], hit=jnp.ones((k, c), bool),
+                   tv=jnp.full((k, c), 0.3, jnp.float32),
+                   position=jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (k, c)),
+                   valid=jnp.ones((k, c), bool), count=jnp.full((k,), c, jnp.int32))
+
+
+SLOW_STEPS = (1, 3)  # refresh steps timed: cost = fixed (3 passes) + steps x per-step
+
+
+def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: int):
+  """(names, cases [(fn, args)]): one refresh of head 0 at each of ``SLOW_STEPS`` steps (one
+  compiled program: the step count is traced) and ``trainer_records.from_hidden`` of a 16-row
+  batch of 64 response tokens with ``anchors`` anchors."""
+  import jax
+  import jax.numpy as jnp
+
+  from specroll_jax import slow_path as SP
+  from specroll_jax import trainer_records as TR
+  from specroll_jax.models import decoder as dec
+  from specroll_jax.reflex import ReflexConfig
+  from specroll_jax.sampling import SamplingConfig
+  from specroll_jax.slow_path import retrain
+  k = heads.num_heads
+  rc = ReflexConfig(num_heads=k)
+  cfg = SP.SlowPathConfig(reservoir_size=records * k, chunk_size=min(256, records),
+                          learning_rate=1e-4).refresh_settings()
+  state = SP.init(cfg, heads, support_size=rc.support_size, num_candidates=rc.max_candidates)
+  res = random_reservoir(config, num_heads=k, capacity=records, support=rc.support_size,
+                         candidates=rc.max_candidates, seed=seed)
+  params = dec.unstack_layers(params)
+  mask = jnp.arange(k) == 0  # one head, as the degradation monitor usually names
+  refresh = jax.jit(lambda p, hd, opt, r, n: retrain.refresh(cfg, config, p, hd, opt, r, mask, n))
+  names, cases = [], []
+  for s in SLOW_STEPS:
+    names.append(f"refresh, {s} step{'s' if s > 1 else ''}")
+    cases.append((refresh, (params, heads, state.opt_state, res, jnp.int32(s))))
+  b, m = 16, 64
+  kh, kt = jax.random.split(jax.random.key(seed + 1))
+  hidden = jax.random.normal(kh, (b, m, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
+  tokens = jax.random.randint(kt, (b, m), 0, config.vocab_size, jnp.int32)
+  lengths = jnp.full((b,), m, jnp.int32)
+  sampling = SamplingConfig(temperature=1.0)
+  build = lambda p, hd, h, t, key: TR.from_hidden(
+      rc, config, p, hd, h, t, lengths, jnp.full((b,), 8, jnp.int32), sampling=sampling, key=key,
+      num_anchors=anchors)
+  names.append(f"trainer records, {anchors} anchors")
+  cases.append((build, (params, heads, hidden, tokens, jax.random.key(seed))))
+  return names, cases
+
+
+def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float,
+                   replay_records: int = 1536, replay_steps: int = 10) -> dict:
+  """The slow path's figures of one model: measured ms, the fixed / per-step split of a refresh,
+  the replay setting's refresh scaled linearly in records, each also in verify forwards."""
+  ms = {n: 1e3 * t["s"] for n, t in zip(names, times, strict=True)}
+  r1, r3 = ms[names[0]], ms[names[1]]
+  per_step = (r3 - r1) / (SLOW_STEPS[1] - SLOW_STEPS[0])
+  fixed = r1 - SLOW_STEPS[0] * per_step
+  replay = (fixed + replay_steps * per_step) * replay_records / records
+  rec_ms = ms[names[2]]
+  return {"records": records, "anchors": anchors, "verify_ms": verify_ms, "measured_ms": ms,
+          "compile_s": {n: t["compile_s"] for n, t in zip(names, times, strict=True)},
+          "refresh_fixed_ms": fixed, "refresh_per_step_ms": per_step,
+          "replay_refresh": {"records": replay_records, "steps": replay_steps, "ms": replay,
+                             "verify_forwards": replay / verify_ms},
+          "refresh_1_step_verify_forwards": r1 / verify_ms,
+          "trainer_records_ms": rec_ms, "trainer_records_verify_forwards": rec_ms / verify_ms,
+          "trainer_records_per_anchor_ms": rec_ms / anchors}
+
+
 # --------------------------------------------------------------------------------------- main
 
 
@@ -302,10 +401,13 @@ def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
         :lo]}, heads, num_heads=heads.num_heads, **kw)
   variants, pcases = proposer_cases(config, params, heads, accept=a.accept, steps=a.steps,
                                     strides=tuple(a.strides), quick=a.quick, **kw)
-  print(f"{label}: {len(cases)} verify and {len(pcases)} proposer cases, {a.repeats} rounds",
-        flush=True)
-  times = round_robin(cases + pcases, a.repeats)
-  vt, pt = times[:len(cases)], times[len(cases):]
+  snames, scases = slow_path_cases(config, params, heads, records=a.refresh_records,
+                                   anchors=a.trainer_anchors, seed=a.seed)
+  print(f"{label}: {len(cases)} verify, {len(pcases)} proposer and {len(scases)} slow-path "
+        f"cases, {a.repeats} rounds", flush=True)
+  times = round_robin(cases + pcases + scases, a.repeats)
+  vt, pt = times[:len(cases)], times[len(cases):len(cases) + len(pcases)]
+  st = times[len(cases) + len(pcases):]
   ms = lambda t: 1e3 * t["s"]
   details = {f"{layers} layers, top-{m}": {"ms": ms(t), "min_ms": 1e3 * t["min_s"],
                                           "compile_s": t["compile_s"]}
@@ -344,8 +446,14 @@ def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
                  "share": extra / v0, "verify_top16_extra_ms": topm_extra,
                  "share_with_top16": (extra + topm_extra) / v0, "heads_share": static / v0,
                  "compile_s": t["compile_s"]})
+  slow = slow_path_rows(snames, st, records=a.refresh_records, anchors=a.trainer_anchors,
+                       verify_ms=v0)
+  print(f"  slow path: refresh of one head {slow['refresh_fixed_ms']:.1f} ms + "
+        f"{slow['refresh_per_step_ms']:.1f} ms per step ({a.refresh_records} records); trainer "
+        f"records {slow['trainer_records_ms']:.1f} ms ({a.trainer_anchors} anchors)", flush=True)
   return {"label": label, "config": dataclasses.asdict(config), "verify": details,
-          "verify_ms": v0, "verify_top16_ms": v16, "layers_note": note, "rows": rows}
+          "verify_ms": v0, "verify_top16_ms": v16, "layers_note": note, "rows": rows,
+          "slow_path": slow}
 
 
 def main(argv=None):
@@ -363,14 +471,20 @@ def main(argv=None):
   ap.add_argument("--dtype", default="float32", help="1.5B shape: float32 or bfloat16")
   ap.add_argument("--strides", type=int, nargs="+", default=[4],
                   help="ReflexConfig.stride values > 1 to measure")
+  ap.add_argument("--refresh-records", type=int, default=256,
+                  help="slow path: records per head in the timed refresh's reservoir")
+  ap.add_argument("--trainer-anchors", type=int, default=256,
+                  help="slow path: anchors of the timed trainer records")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default="runs/bench_reflex_cost.json")
   ap.add_argument("--quick", action="store_true",
                   help="B=2, 1 repeat, 2 steps, fewer variants, the 1.5B shape cut to 2 layers")
   a = ap.parse_args(argv)
-  cli.require(a, rows=1, nodes=1, cache=8, accept=1, steps=1, repeats=1, layers=1, strides=1)
+  cli.require(a, rows=1, nodes=1, cache=8, accept=1, steps=1, repeats=1, layers=1, strides=1,
+              refresh_records=2, trainer_anchors=1)
   if a.quick:
     a.rows, a.repeats, a.steps, a.layers = 2, 1, 2, 2
+    a.refresh_records, a.trainer_anchors = 16, 8
   bad = [m for m in a.models if m not in MODELS]
   if bad:
     cli.fail("--models", a.models, f"unknown {bad}; choose from {MODELS}")
@@ -395,7 +509,8 @@ def main(argv=None):
       sys.argv[1:] if argv is None else argv), "cpu": _common.cpu_model(),
       "machine": platform.machine(), "rows": a.rows, "nodes": a.nodes, "cache": a.cache,
       "accept": a.accept, "steps": a.steps, "repeats": a.repeats, "layers": a.layers,
-      "dtype": a.dtype, "quick": a.quick, "seconds": time.perf_counter() - t_start}
+      "dtype": a.dtype, "quick": a.quick, "refresh_records": a.refresh_records,
+      "trainer_anchors": a.trainer_anchors, "seconds": time.perf_counter() - t_start}
   import jax
   meta["jax"] = jax.__version__
   meta["device"] = str(jax.devices()[0])
@@ -444,6 +559,22 @@ def _report(results: list[dict], meta: dict) -> None:
                 "-" if static else f"{100 * r['share_with_top16']:+.1f}%")
     t.add_section()
   con.print(t)
+  s = Table(title="The slow path's host work vs one verify forward (same B, N; refresh of one head "
+                  "on random valid records; compile excluded)")
+  for c in ("model", "verify ms", "refresh: fixed ms", "per step ms", "records/head",
+            "1-step refresh = verify fwds", "replay refresh (1536 rec., 10 steps) ms",
+            "= verify fwds", "trainer records ms (anchors)", "= verify fwds"):
+    s.add_column(c, justify="left" if c == "model" else "right")
+  for res in results:
+    sp = res["slow_path"]
+    rp = sp["replay_refresh"]
+    s.add_row(res["label"], f"{sp['verify_ms']:.2f}", f"{sp['refresh_fixed_ms']:.1f}",
+              f"{sp['refresh_per_step_ms']:.1f}", str(sp["records"]),
+              f"{sp['refresh_1_step_verify_forwards']:.1f}", f"{rp['ms']:.0f}",
+              f"{rp['verify_forwards']:.1f}",
+              f"{sp['trainer_records_ms']:.1f} ({sp['anchors']})",
+              f"{sp['trainer_records_verify_forwards']:.2f}")
+  con.print(s)
   for res in results:
     if res.get("layers_note"):
       con.print(f"{res['label']}: {res['layers_note']}")

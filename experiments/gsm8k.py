@@ -100,6 +100,10 @@ def parse(argv):
                   help="where the slow path's records come from: Reflex's, matured in the decode "
                        "loop (rollout), or the GRPO step's own forward of the batch (trainer: "
                        "none recorded in the decode loop; AdaptationConfig.records)")
+  ap.add_argument("--reflex-sleep", type=int, default=0,
+                  help="batches Reflex sleeps (the plain heads propose: no Reflex work in the "
+                       "decode loop) after a batch whose corrections did not pay; needs "
+                       "--slow-records trainer or --slow-path off (ReflexConfig.sleep_batches)")
   ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
   ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
   ap.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES))
@@ -119,7 +123,10 @@ def parse(argv):
     if getattr(a, name) is None:
       setattr(a, name, if_syn if syn else if_gsm8k)
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
-              beta=0.0, node_budget=0, eval_prompts=1, warmup=0)
+              beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0)
+  if a.reflex_sleep > 0 and a.slow_records == "rollout" and a.slow_path != "off":
+    cli.fail("--reflex-sleep", a.reflex_sleep, "needs --slow-records trainer or --slow-path off "
+             "(a sleeping Reflex records nothing for the slow path)")
   try:
     _synthetic.Difficulty.from_level(a.level)
   except ValueError as e:
@@ -183,7 +190,7 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   slow = SP.SlowPathConfig(mode=a.slow_path)
   if a.model is None:  # a short CPU run: windows sized for tens of steps, not thousands
     slow = SP.SlowPathConfig.for_tests(mode=a.slow_path)
-  reflex = ReflexConfig(topk=spec.topk)
+  reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep)
   if a.slow_records == "trainer":  # the decode loop records nothing
     reflex = dataclasses.replace(reflex, record_capacity=0)
   adapt = adaptation.AdaptationConfig(reflex=reflex, slow=slow, records=a.slow_records)

@@ -66,6 +66,11 @@ class AdaptationConfig:
     if self.records not in RECORD_SOURCES:
       raise ValueError(f"AdaptationConfig.records must be one of {RECORD_SOURCES}, got "
                        f"{self.records!r}")
+    if self.slow.mode != "off" and self.records == "rollout" and self.reflex.sleep_batches > 0:
+      raise ValueError(f"AdaptationConfig: reflex.sleep_batches={self.reflex.sleep_batches} with "
+                       f"slow path mode {self.slow.mode!r} and records='rollout': a sleeping "
+                       "Reflex writes no records (take them from the trainer: records='trainer', "
+                       "or keep sleep_batches=0)")
     if (self.slow.mode != "off" and self.records == "rollout"
         and self.reflex.record_capacity == 0):
       raise ValueError(f"AdaptationConfig: slow path mode {self.slow.mode!r} needs records, but "
@@ -117,10 +122,17 @@ def init(config: AdaptationConfig, heads) -> AdaptationState:
                          config=config)
 
 
+def asleep(state: AdaptationState) -> bool:
+  """Whether Reflex sleeps in the next rollout batch (``ReflexConfig.sleep_batches``): the plain
+  heads propose, with no Reflex work in the decode loop."""
+  return not state.config.static_heads and int(state.reflex.sleep) > 0
+
+
 def proposer(state: AdaptationState) -> tuple[Proposer, object]:
-  """(proposer, its parameters) for the next rollout batch."""
+  """(proposer, its parameters) for the next rollout batch: the plain heads when Reflex is off or
+  asleep, else Reflex over them."""
   cfg = state.config
-  if cfg.static_heads:
+  if cfg.static_heads or asleep(state):
     if cfg.reflex.conditioned:
       rh = ReflexProposer(cfg.reflex).ranked
       return rh, rh.params(state.heads)
@@ -143,9 +155,14 @@ def after_rollout(state: AdaptationState, model_config, params, rollout,
   report["head_acceptance"] = acc.tolist()
   glob, heads, slow = state.reflex, state.heads, state.slow
   expected = state.expected
-  if not cfg.static_heads:
+  if asleep(state):  # the plain heads proposed: nothing of Reflex's to fold in
+    left = int(glob.sleep) - 1
+    report["reflex"] = {"asleep": True, "sleep_left": left}
+    glob = glob.replace(sleep=glob.sleep - 1)
+  elif not cfg.static_heads:
     report["reflex"] = _reflex.summarize(stats)
     glob = _reflex.end_batch(cfg.reflex, glob, stats)
+    report["reflex"].update(asleep=False, sleep_left=int(glob.sleep))
     n = int(stats.expected_n) if stats.expected_n is not None else 0
     if n > 0:  # a running mean over batches (equal weights: the estimates are calibrated)
       e = np.asarray(stats.expected, np.float64) / n

@@ -2,13 +2,15 @@
 change a committed token; the adaptation state is carried by ``generate``, compiles once and is
 checkpointable by orbax as is (all in one test: one compile of the adaptive engine)."""
 
+import dataclasses
+
 import chex
 import jax
 import numpy as np
 import pytest
 
 from specroll_jax import adaptation as A
-from specroll_jax import engines, reflex, rollout
+from specroll_jax import engines, proposers, reflex, rollout
 from specroll_jax import heads as H
 from specroll_jax import slow_path as SP
 from specroll_jax.checkpoint import Checkpointer
@@ -88,3 +90,36 @@ def test_adaptation_argument_checks(trained_model):
     A.init(A.AdaptationConfig(), H.init(jax.random.key(5), config, 2))
   with pytest.raises(ValueError, match="needs records"):
     A.AdaptationConfig(reflex=reflex.ReflexConfig(record_capacity=0))
+
+
+def test_a_sleeping_reflex_proposes_with_the_plain_heads(trained_model, gsm8k_prompts):
+  """ReflexConfig.sleep_batches: while ``reflex.sleep`` > 0 the plain heads propose (no Reflex in
+  the decode loop), the committed tokens stay the vanilla ones, each sleeping batch counts the
+  sleep down, and the batch after it is awake again (a probe). A sleeping Reflex writes no
+  records, so it needs records from the trainer (or no slow path)."""
+  config, params, _ = trained_model
+  heads = H.init(jax.random.key(6), config, 3, scale=0.05)
+  sampling = SamplingConfig(temperature=1.0)
+  sleepy = reflex.ReflexConfig(sleep_batches=2, record_capacity=0)
+  with pytest.raises(ValueError, match="a sleeping Reflex writes no records"):
+    A.AdaptationConfig(reflex=dataclasses.replace(sleepy, record_capacity=64),
+                       slow=SP.SlowPathConfig.for_tests(mode="degradation"))
+  ac = A.AdaptationConfig(reflex=sleepy, slow=SP.SlowPathConfig(mode="off"))
+  state = A.init(ac, heads)
+  assert not A.asleep(state) and isinstance(A.proposer(state)[0], proposers.ReflexProposer)
+  state = state.replace(reflex=state.reflex.replace(sleep=jax.numpy.int32(2)))
+  prop, pp = A.proposer(state)
+  assert A.asleep(state) and type(prop) is proposers.HeadsProposer and pp is state.heads
+  prompts = gsm8k_prompts[:4]
+  kw = dict(sampling=sampling, max_new_tokens=16, eos_ids=[], sample_ids=np.arange(4))
+  ref = rollout.generate(config, params, prompts, **kw)
+  spec = SpecConfig(node_budget=8, bucket_fractions=(1.0,))
+  for left in (1, 0):
+    out = rollout.generate(config, params, prompts, spec=spec, adaptation=state, **kw)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert out.adaptation_report["reflex"] == {"asleep": True, "sleep_left": left}
+    assert out.stats.tokens_per_forward > 1.0  # the heads really proposed
+    state = out.adaptation
+    assert int(state.reflex.sleep) == left
+  assert int(state.batches) == 2 and not A.asleep(state)  # the next batch is a probe, awake
+  assert isinstance(A.proposer(state)[0], proposers.ReflexProposer)

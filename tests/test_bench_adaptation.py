@@ -52,6 +52,15 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
     assert r["trainer_forward_seconds"] > 0 and r["records_seconds"] > 0
     assert r["slow"]["decision"] in mod.SP.REASONS and sum(r["slow"]["records"]) > 0
   assert data["summary"]["trainer"]["trainer_forward_seconds"] > 0
+  # arm trainer's Reflex sleeps (--trainer-sleep 3) after an awake batch whose corrections did not
+  # pay: the sleep counts down batch by batch, and the first batch (a fresh state) is awake
+  tr = [r["reflex"] for r in data["arms"]["trainer"]]
+  assert tr[0]["asleep"] is False and "correction_rate" in tr[0]
+  for before, now in zip(tr, tr[1:], strict=False):
+    assert now["asleep"] == (before["sleep_left"] > 0)
+    if now["asleep"]:
+      assert now["sleep_left"] == before["sleep_left"] - 1
+  assert data["summary"]["trainer"]["asleep_batches"] == sum(x["asleep"] for x in tr)
   assert any(g["goal"].startswith("(d')") for g in data["goals"])
   # the policies drift: KL to step 0 is 0 at step 0, positive after; the parameters moved
   p = data["policies"]

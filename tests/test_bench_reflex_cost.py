@@ -25,7 +25,7 @@ def bench():
   return mod
 
 
-@pytest.mark.slow  # the quick benchmark: 20-35 s cold
+@pytest.mark.slow  # the quick benchmark: 40-60 s cold
 def test_quick_run_writes_consistent_rows(bench, tmp_path):
   out = tmp_path / "cost.json"
   bench.main(["--quick", "--out", str(out)])
@@ -44,13 +44,29 @@ def test_quick_run_writes_consistent_rows(bench, tmp_path):
       assert r["extra_ms"] == pytest.approx(r["proposer_ms"] - r["static_ms"])
       assert r["share"] == pytest.approx(r["extra_ms"] / r["verify_ms"])
       assert r["heads_share"] == pytest.approx(r["static_ms"] / r["verify_ms"])
+    # the slow path's host work: a refresh at 1 and 3 steps and the trainer records, all timed;
+    # the fixed / per-step split reproduces both refreshes, the replay's refresh scales it
+    sp = m["slow_path"]
+    assert len(sp["measured_ms"]) == 3 and all(v > 0 for v in sp["measured_ms"].values())
+    r1, r3 = list(sp["measured_ms"].values())[:2]
+    assert sp["refresh_fixed_ms"] + sp["refresh_per_step_ms"] == pytest.approx(r1)
+    assert sp["refresh_fixed_ms"] + 3 * sp["refresh_per_step_ms"] == pytest.approx(r3)
+    rp = sp["replay_refresh"]
+    assert rp["ms"] == pytest.approx((sp["refresh_fixed_ms"] + 10 * sp["refresh_per_step_ms"])
+                                     * 1536 / sp["records"])
+    assert rp["verify_forwards"] == pytest.approx(rp["ms"] / sp["verify_ms"])
+    assert sp["trainer_records_verify_forwards"] == pytest.approx(
+        sp["trainer_records_ms"] / sp["verify_ms"])
+    assert sp["records"] == 16 and sp["anchors"] == 8
 
 
 @pytest.mark.parametrize("flags,name", [(["--models", "gpt"], "--models"),
                                         (["--rows", "0"], "--rows"),
                                         (["--accept", "5"], "--accept"),
                                         (["--layers", "29"], "--layers"),
-                                        (["--dtype", "float16"], "--dtype")])
+                                        (["--dtype", "float16"], "--dtype"),
+                                        (["--refresh-records", "1"], "--refresh-records"),
+                                        (["--trainer-anchors", "0"], "--trainer-anchors")])
 def test_bad_flag_is_one_line_and_exit_2(bench, flags, name, tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     bench.main([*flags, "--out", str(tmp_path / "x.json")])

@@ -23,6 +23,7 @@ CASES = [
     ("bench_adaptation.py", ["--slow-acc-drop", "2"], "--slow-acc-drop"),
     ("bench_adaptation.py", ["--reflex-stride-rows", "0"], "--reflex-stride-rows"),
     ("bench_adaptation.py", ["--start-heads", "best"], "--start-heads"),
+    ("bench_adaptation.py", ["--trainer-sleep", "-1"], "--trainer-sleep"),
     ("bench_proposals.py", ["--nodes", "0"], "--nodes"),
     ("bench_proposals.py", ["--temperatures", "-1"], "--temperatures"),
     ("build_default_model.py", ["--steps", "0"], "--steps"),
@@ -38,6 +39,8 @@ CASES = [
     ("bench_adaptation.py", ["--level", "-1"], "--level"),
     ("gsm8k.py", ["--model", "/no/such/folder"], "--model"),
     ("gsm8k.py", ["--rollout", "fast"], "--rollout"),
+    ("gsm8k.py", ["--reflex-sleep", "-1"], "--reflex-sleep"),
+    ("gsm8k.py", ["--reflex-sleep", "2"], "--reflex-sleep"),  # rollout records: cannot sleep
     ("gsm8k.py", ["--steps", "many"], "--steps"),
     ("gsm8k.py", ["--resume"], "--resume"),
     ("gsm8k.py", ["--coordinator", "127.0.0.1:1234"], "--num-processes"),

@@ -323,6 +323,21 @@ def test_end_batch_safety_rules():
   np.testing.assert_allclose(np.asarray(low.safety), 0.125)  # never below the floor
   noisy = reflex.end_batch(cfg, glob, stats(0.0, sd=0.5))
   assert np.asarray(noisy.safety).tolist() == [1.0] * 3 and int(noisy.below[0]) == 0
+  assert int(g.sleep) == 0 and int(noisy.sleep) == 0  # sleep_batches = 0: Reflex never sleeps
+  # sleep_batches > 0: asleep after a batch whose corrections did not pay, awake after one that did
+  sleepy = reflex.ReflexConfig(sleep_batches=3)
+  g0 = reflex.init_global(sleepy)
+  assert int(g0.sleep) == 0  # the first batch is awake
+  assert int(reflex.end_batch(sleepy, g0, stats(0.05)).sleep) == 0  # paid: stays awake
+  assert int(reflex.end_batch(sleepy, g0, stats(-0.05)).sleep) == 3  # cost acceptance
+  assert int(reflex.end_batch(sleepy, g0, stats(0.0, sd=0.5)).sleep) == 3  # not shown to pay
+  assert int(reflex.end_batch(sleepy, g0, reflex.ReflexStats.zeros(3)).sleep) == 3  # no gain seen
+  one = reflex.ReflexStats.zeros(3).replace(  # one head paid, the others saw nothing: awake
+      gain_sum=jnp.asarray([2.5, 0.0, 0.0]), gain_sq=jnp.asarray([0.1251, 0.0, 0.0]),
+      gain_n=jnp.asarray([50, 0, 0]))
+  assert int(reflex.end_batch(sleepy, g0, one).sleep) == 0
+  with pytest.raises(ValueError, match="sleep_batches must be an int >= 0"):
+    reflex.ReflexConfig(sleep_batches=-1)
 
 
 # ------------------------------------------------------------ stride and skipped bookkeeping

@@ -184,7 +184,9 @@ class Run:
     if run.rollout == "specroll":  # placed like the parameters, for the same reason
       self.adapt = jax.device_put(_adapt.init(run.adaptation.for_sampling(self.sampling), heads),
                                   self.replicated)
-    self._compiled = {run.spec}  # speculative settings compiled so far (warm-up: run.spec)
+    # speculative programs compiled so far: (settings, Reflex asleep); the warm-up compiles the
+    # first one (a sleeping Reflex proposes with the plain heads: another program)
+    self._compiled = {(run.spec, self._asleep())}
     self.cost = None
     if run.goodput and run.rollout == "specroll":
       self.cost = self._measure_cost(params)
@@ -316,6 +318,9 @@ class Run:
     sids = group_sample_ids(np.asarray(idx, np.int64), g)
     return rep(toks), rep(lens), [x for x in golds for _ in range(g)], sids
 
+  def _asleep(self) -> bool:
+    return self.adapt is not None and _adapt.asleep(self.adapt)
+
   def warmup(self) -> dict:
     """Compile the rollout and the train step on step ``next_step``'s batch without changing any
     state (copies are used and discarded). Returns the seconds of each warm-up call."""
@@ -358,10 +363,11 @@ class Run:
     toks, lens, golds, sids = toks[sl], lens[sl], golds[sl], sids[sl]
     params = self.local_params()
     spec = self.spec()
-    if run.rollout == "specroll" and spec not in self._compiled:  # a new node choice compiles:
-      jax.block_until_ready(self.rollout(params, toks, lens, sids, self.adapt,
-                                         spec).tokens)  # once, untimed (the output is discarded)
-      self._compiled.add(spec)
+    program = (spec, self._asleep())
+    if run.rollout == "specroll" and program not in self._compiled:  # a new node choice or a
+      jax.block_until_ready(self.rollout(params, toks, lens, sids, self.adapt,  # sleeping Reflex
+                                         spec).tokens)  # compiles once, untimed (output dropped)
+      self._compiled.add(program)
     t_start = time.perf_counter()
     out = self.rollout(params, toks, lens, sids, self.adapt, spec)
     jax.block_until_ready(out.tokens)

@@ -56,6 +56,13 @@ class ReflexConfig:
   gain_z: float = 1.96  # 95% bounds of the per-batch mean gain
   share_group: int = 0  # G > 0: rows r // G share one fast state (a GRPO group); 0: per row
   record_capacity: int = 512  # matured records kept per head per rollout for the slow path
+  # batches Reflex sleeps after an awake batch in which its corrections did not pay (no head's
+  # counterfactual gain significantly > 0 at gain_z, or fewer than 2 corrections measured): the
+  # plain heads propose then, with no in-loop cost, and the batch after the sleep is awake again
+  # (a probe). 0: never sleeps. A sleeping Reflex writes no records, so it sleeps only when the
+  # slow path takes none from the decode loop (AdaptationConfig.records="trainer", or the slow
+  # path off).
+  sleep_batches: int = 0
   apply_corrections: bool = True  # False: records and statistics only (the heads stay static)
   # root-conditioned heads (cond_heads.CondHeads): the tree expands depth by depth from the
   # beams[k-1] best partial paths (proposers.RankedHeads), at most max_nodes nodes
@@ -81,7 +88,7 @@ class ReflexConfig:
       raise ValueError(f"ReflexConfig.rho must lie in (0, 1), got {self.rho}")
     for name in ("sketch_dim", "top", "weak", "down_after", "up_after", "stride"):
       check_int(self, name, 1)
-    for name in ("share_group", "record_capacity"):
+    for name in ("share_group", "record_capacity", "sleep_batches"):
       check_int(self, name, 0)
     if not isinstance(self.conditioned, bool):
       raise ValueError(f"ReflexConfig.conditioned must be a bool, got {self.conditioned!r}")

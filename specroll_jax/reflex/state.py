@@ -19,6 +19,7 @@ class ReflexGlobal:
   safety: Float[Array, " K"]
   below: Int[Array, " K"]  # consecutive batches whose gain upper bound was < 0
   above: Int[Array, " K"]  # consecutive batches whose gain lower bound was > 0
+  sleep: Int[Array, ""]  # batches left to sleep (``ReflexConfig.sleep_batches``; 0: awake)
 
 
 @flax.struct.dataclass
@@ -82,7 +83,8 @@ class ReflexShared:
 def init_global(cfg: ReflexConfig) -> ReflexGlobal:
   k = cfg.num_heads
   return ReflexGlobal(safety=jnp.full((k,), cfg.safety_start, jnp.float32),
-                      below=jnp.zeros((k,), jnp.int32), above=jnp.zeros((k,), jnp.int32))
+                      below=jnp.zeros((k,), jnp.int32), above=jnp.zeros((k,), jnp.int32),
+                      sleep=jnp.int32(0))
 
 
 def _reset(fast: FastState, bad) -> FastState:

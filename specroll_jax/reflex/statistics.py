@@ -112,8 +112,10 @@ class ReflexStats(Summed):
 
 
 def end_batch(cfg: ReflexConfig, glob: ReflexGlobal, stats: ReflexStats) -> ReflexGlobal:
-  """Global safety per head after a rollout batch, from its counterfactual gain statistics
-  (``stats`` as summed by the engine: gain_sum / gain_sq / gain_n per head)."""
+  """Global safety per head after an awake rollout batch, from its counterfactual gain statistics
+  (``stats`` as summed by the engine: gain_sum / gain_sq / gain_n per head), and the batches to
+  sleep next: ``cfg.sleep_batches`` unless some head's gain lower bound was > 0 (its corrections
+  paid), else 0."""
   n = stats.gain_n.astype(jnp.float32)
   mean = stats.gain_sum / jnp.maximum(n, 1)
   var = (stats.gain_sq - n * mean * mean) / jnp.maximum(n - 1, 1)
@@ -124,7 +126,10 @@ def end_batch(cfg: ReflexConfig, glob: ReflexGlobal, stats: ReflexStats) -> Refl
   down, up = below >= cfg.down_after, above >= cfg.up_after
   safety = jnp.where(down, jnp.maximum(glob.safety * cfg.safety_down, cfg.safety_min), glob.safety)
   safety = jnp.where(up, jnp.minimum(safety * cfg.safety_up, cfg.safety_max), safety)
-  return ReflexGlobal(safety=safety, below=jnp.where(down, 0, below), above=jnp.where(up, 0, above))
+  paid = (have & (mean - cfg.gain_z * se > 0)).any()
+  sleep = jnp.where(paid, 0, cfg.sleep_batches).astype(jnp.int32)
+  return ReflexGlobal(safety=safety, below=jnp.where(down, 0, below), above=jnp.where(up, 0, above),
+                      sleep=sleep)
 
 
 
