@@ -87,8 +87,8 @@ once per --ceiling-every-th replayed policy (default every 2nd); fits are cached
 --quick: 2 GRPO steps of 2 x 4 saved at every step (3 policies), 3 batches of 2 x 2, 24 tokens,
 one row bucket (--buckets 1.0: one decode loop per program, in the GRPO run's and the ceiling's
 vanilla rollouts too), arms static, trainer ((d'), the adaptation arm: Reflex and the slow path)
-and ceiling (16 prompts, 20 steps; static and ceiling share one program); its policies go to
---policies (default ..._quick).
+and ceiling (16 prompts, 20 steps; static, ceiling and a sleeping Reflex's batches share one
+program); its policies go to --policies (default ..._quick).
 """
 
 from __future__ import annotations
@@ -582,14 +582,15 @@ class ProposerArm:
   """A fixed proposer whose parameters come per batch from ``make(b, table)``; with a calibration,
   the table is updated on the host after every batch (its time charged as adaptation)."""
 
-  def __init__(self, proposer, make, calibrate: bool):
-    self.proposer, self.make = proposer, make
+  def __init__(self, proposer, make, calibrate: bool, commit: bool = True):
+    self.proposer, self.make, self.commit = proposer, make, commit
     self.cal = calibration.init(proposer.default_acceptance()) if calibrate else None
 
   def kwargs(self, b):
     t0 = time.perf_counter()
     table = None if self.cal is None else self.cal.table()
-    pp = _commit(self.make(b, table))
+    pp = self.make(b, table)
+    pp = _commit(pp) if self.commit else pp
     return {"proposer": self.proposer, "proposer_params": pp}, time.perf_counter() - t0
 
   def warm(self, out) -> None:
@@ -728,8 +729,10 @@ def main(argv=None):
   mg = Merged(heads=ranked, lookup=gl, max_nodes=rcfg.max_nodes)
   calibrate = not a.no_calibration
   results, warmup_s, both_heads = {}, {}, None
-  # static, then ceiling: one program (the ranked heads, other parameters), compiled once
-  order = sorted(a.arms, key=lambda x: (x not in ("static", "ceiling"), ARMS.index(x)))
+  # static, ceiling, then trainer when it sleeps: one program (the ranked heads, other
+  # parameters; a sleeping Reflex proposes with the plain ranked heads), compiled once
+  ranked_arms = ("static", "ceiling") + (("trainer",) if a.trainer_sleep > 0 else ())
+  order = sorted(a.arms, key=lambda x: (x not in ranked_arms, ARMS.index(x)))
   for i, arm in enumerate(order):
     if arm == "trainer":
       ac = A.AdaptationConfig(
@@ -740,7 +743,10 @@ def main(argv=None):
                           batches=batches, sampling=sampling, num_anchors=a.trainer_anchors,
                           seed=a.seed)
     elif arm == "static":  # the ceiling's program (same proposer, step 0's heads): one compile
-      runner = ProposerArm(ranked, lambda b, t: ranked.params(heads0), calibrate=False)
+      # committed heads, the acceptance table as RankedHeads.params makes it: as a sleeping
+      # Reflex's batch passes them (adaptation.proposer), so arm trainer reuses this program
+      runner = ProposerArm(ranked, lambda b, t: ranked.params(_commit(heads0)), calibrate=False,
+                           commit=False)
     elif arm in ADAPT:
       corr, mode = ADAPT[arm]
       ac = A.AdaptationConfig(reflex=dataclasses.replace(rcfg, apply_corrections=corr),
@@ -748,7 +754,8 @@ def main(argv=None):
       runner = AdaptArm(_commit(A.init(ac, heads0)),
                         keep_heads=arm == "both" and "merged" in a.arms)
     elif arm == "ceiling":
-      runner = ProposerArm(ranked, lambda b, t: ranked.params(c_heads[b]), calibrate=False)
+      runner = ProposerArm(ranked, lambda b, t: ranked.params(_commit(c_heads[b])),
+                           calibrate=False, commit=False)
     elif arm == "lookup":
       runner = ProposerArm(gl, lambda b, t: gl.context(
           None if t is None else t.reshape(gl.acceptance_shape)), calibrate=calibrate)
@@ -789,8 +796,8 @@ def main(argv=None):
     if isinstance(runner, AdaptArm) and runner.heads is not None:
       both_heads = runner.heads
     del runner
-    if order[i:i + 2] != ["static", "ceiling"]:
-      _release()
+    if not (arm in ranked_arms and order[i + 1:i + 2] and order[i + 1] in ranked_arms):
+      _release()  # the next arm compiles its own programs
   results = {x: results[x] for x in a.arms}
   summary, goals = report(results, pol, van_s, a)
   meta = {"command": "experiments/bench_adaptation.py " + " ".join(
