@@ -176,9 +176,10 @@ def parse(argv):
   ap.add_argument("--reflex-stride-rows", type=float, default=1.0,
                   help="Reflex feedback (and so slow-path records) every ceil(x * active rows / "
                        "batch rows) steps (ReflexConfig.stride_rows; the library default is 4)")
-  ap.add_argument("--trainer-anchors", type=int, default=512,
+  ap.add_argument("--trainer-anchors", type=int, default=128,
                   help="arm trainer: anchors drawn per batch from the trainer's forward (records "
-                       "per head per batch, at most)")
+                       "per head per batch, at most; 128: the same refreshes and recovery as 512 "
+                       "on the drift replay at a quarter of the records' cost, docs/benchmarks.md)")
   ap.add_argument("--trainer-stride-rows", type=float, default=4.0,
                   help="arm trainer: Reflex feedback every ceil(x * active rows / batch rows) "
                        "steps (its records are not needed: the library default 4)")
