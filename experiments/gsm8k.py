@@ -104,6 +104,10 @@ def parse(argv):
                   help="batches Reflex sleeps (the plain heads propose: no Reflex work in the "
                        "decode loop) after a batch whose corrections did not pay; needs "
                        "--slow-records trainer or --slow-path off (ReflexConfig.sleep_batches)")
+  ap.add_argument("--trainer-anchors", type=int, default=512,
+                  help="with --slow-records trainer: anchors drawn per batch from the train "
+                       "step's forward, records per head per batch at most "
+                       "(AdaptationConfig.trainer_anchors)")
   ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
   ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
   ap.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES))
@@ -123,7 +127,8 @@ def parse(argv):
     if getattr(a, name) is None:
       setattr(a, name, if_syn if syn else if_gsm8k)
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
-              beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0)
+              beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0,
+              trainer_anchors=1)
   if a.reflex_sleep > 0 and a.slow_records == "rollout" and a.slow_path != "off":
     cli.fail("--reflex-sleep", a.reflex_sleep, "needs --slow-records trainer or --slow-path off "
              "(a sleeping Reflex records nothing for the slow path)")
@@ -193,7 +198,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep)
   if a.slow_records == "trainer":  # the decode loop records nothing
     reflex = dataclasses.replace(reflex, record_capacity=0)
-  adapt = adaptation.AdaptationConfig(reflex=reflex, slow=slow, records=a.slow_records)
+  adapt = adaptation.AdaptationConfig(reflex=reflex, slow=slow, records=a.slow_records,
+                                      trainer_anchors=a.trainer_anchors)
   return RunConfig(grpo=grpo, task=Task(name=a.task, level=a.level), prompts_per_step=a.prompts,
                    max_new_tokens=a.max_new_tokens, steps=a.steps, seed=a.seed,
                    rollout=rollout_kind, spec=spec, adaptation=adapt, kernels=a.kernels,
