@@ -128,15 +128,26 @@ def asleep(state: AdaptationState) -> bool:
   return not state.config.static_heads and int(state.reflex.sleep) > 0
 
 
+def heads_proposer(config: AdaptationConfig, heads) -> tuple[Proposer, object]:
+  """(proposer, its parameters) of the plain ``heads`` under ``config.reflex``'s tree settings,
+  as a batch with Reflex off or asleep proposes: ``RankedHeads`` (``ReflexProposer.ranked``) for
+  root-conditioned heads, ``HeadsProposer`` for Medusa heads (the heads' family decides)."""
+  if not isinstance(heads, head_kinds.KINDS):
+    raise ValueError(f"heads must be heads.Heads or cond_heads.CondHeads, got "
+                     f"{type(heads).__name__}")
+  r = config.reflex
+  if head_kinds.is_conditioned(heads):
+    rh = ReflexProposer(r).ranked
+    return rh, rh.params(heads)
+  return HeadsProposer(num_heads=r.num_heads, topk=r.topk), heads
+
+
 def proposer(state: AdaptationState) -> tuple[Proposer, object]:
   """(proposer, its parameters) for the next rollout batch: the plain heads when Reflex is off or
-  asleep, else Reflex over them."""
+  asleep (:func:`heads_proposer`), else Reflex over them."""
   cfg = state.config
   if cfg.static_heads or asleep(state):
-    if cfg.reflex.conditioned:
-      rh = ReflexProposer(cfg.reflex).ranked
-      return rh, rh.params(state.heads)
-    return HeadsProposer(num_heads=cfg.reflex.num_heads, topk=cfg.reflex.topk), state.heads
+    return heads_proposer(cfg, state.heads)
   return ReflexProposer(cfg.reflex), (state.heads, state.reflex)
 
 

@@ -25,3 +25,37 @@ def test_run_config_vanilla_buckets():
   for bad in ((0.5,), (1.0, 2.0), ()):
     with pytest.raises(ValueError, match=r"RunConfig.vanilla_buckets must start at 1.0"):
       RunConfig(vanilla_buckets=bad)
+
+
+def test_run_static_heads_rollout_with_root_conditioned_heads(trained_model, tmp_path):
+  """RunConfig(rollout="static-heads") with root-conditioned heads proposes as SpecRoll's plain
+  heads do (RankedHeads under the run's ReflexConfig, adaptation.heads_proposer) and commits the
+  vanilla run's tokens."""
+  import jax
+
+  from specroll_jax import adaptation
+  from specroll_jax import cond_heads as CH
+  from specroll_jax.grpo.config import GRPOConfig
+  from specroll_jax.grpo.loop import Run, RunConfig
+  from specroll_jax.proposers import RankedHeads
+  from specroll_jax.rollout import SpecConfig
+
+  config, params, tok = trained_model
+  heads = CH.init(jax.random.key(0), config, 3, width=32)
+  heads = heads.replace(w_o=0.05 * jax.random.normal(jax.random.key(1), heads.w_o.shape))
+  prop, pp = adaptation.heads_proposer(adaptation.AdaptationConfig(), heads)
+  assert isinstance(prop, RankedHeads) and pp.heads is heads
+  with pytest.raises(ValueError, match="heads must be"):
+    adaptation.heads_proposer(adaptation.AdaptationConfig(), params)
+  outs = {}
+  for kind in ("static-heads", "vanilla"):
+    run = RunConfig(grpo=GRPOConfig(group_size=2), prompts_per_step=2, max_new_tokens=12,
+                    steps=1, rollout=kind, spec=SpecConfig(node_budget=8), vanilla_buckets=(1.0,))
+    r = Run(run, config, params, tok, heads, tmp_path / kind, log=lambda *a: None)
+    toks, lens, _, sids = r.batch(0)
+    outs[kind] = r.rollout(r.local_params(), toks, lens, sids)
+    r.close()
+  s, v = outs["static-heads"], outs["vanilla"]
+  assert (np.asarray(s.tokens) == np.asarray(v.tokens)).all()
+  assert (np.asarray(s.lengths) == np.asarray(v.lengths)).all()
+  assert s.stats.spec is not None and s.stats.forwards > 0

@@ -180,6 +180,12 @@ class Run:
     self.replicated = NamedSharding(self.train_step.mesh, PartitionSpec())
     self.state = jax.device_put(init_train_state(params, run.grpo), self.replicated)
     self.heads = heads
+    # "static-heads": the plain heads, proposing as SpecRoll's do with Reflex off or asleep
+    # (RankedHeads for root-conditioned heads), placed like the parameters
+    self.static = None
+    if run.rollout == "static-heads":
+      prop, pp = _adapt.heads_proposer(run.adaptation, heads)
+      self.static = prop, jax.device_put(pp, self.replicated)
     self.adapt = None
     if run.rollout == "specroll":  # placed like the parameters, for the same reason
       self.adapt = jax.device_put(_adapt.init(run.adaptation.for_sampling(self.sampling), heads),
@@ -304,8 +310,9 @@ class Run:
       return _rollout.generate(self.config, params, toks, spec=spec or self.spec(),
                                adaptation=adapt, **kw)
     if self.run.rollout == "static-heads":
-      return _rollout.generate(self.config, params, toks, spec=self.run.spec, heads=self.heads,
-                               **kw)
+      prop, pp = self.static
+      return _rollout.generate(self.config, params, toks, spec=self.run.spec, proposer=prop,
+                               proposer_params=pp, **kw)
     if self.run.vanilla_buckets is not None:
       kw["bucket_fractions"] = self.run.vanilla_buckets
     return _rollout.generate(self.config, params, toks, **kw)
