@@ -138,6 +138,9 @@ GRPO_TEMPERATURE = 1.0
 DEFAULT_POLICIES = "runs/bench_adaptation/policies"
 
 
+_SMALL = SP.SlowPathConfig.for_small_models()  # the slow-path flags' defaults
+
+
 def parse(argv):
   ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   _common.add_shared_flags(ap, out=None, prompts=4, group=8, max_new_tokens=48,
@@ -158,20 +161,21 @@ def parse(argv):
   ap.add_argument("--temperature", type=float, default=1.0, help="replay sampling temperature")
   ap.add_argument("--batches", type=int, default=None,
                   help="replayed batches = policies 0..n-1 (default: every saved policy)")
-  ap.add_argument("--slow-lr", type=float, default=1e-3)
-  ap.add_argument("--slow-reservoir", type=int, default=4608,
+  ap.add_argument("--slow-lr", type=float, default=_SMALL.learning_rate)
+  ap.add_argument("--slow-reservoir", type=int, default=_SMALL.reservoir_size,
                   help="slow-path reservoir records (all heads together)")
-  ap.add_argument("--slow-steps", type=int, default=10, help="optimiser steps per refresh")
-  ap.add_argument("--slow-check-every", type=int, default=1,
+  ap.add_argument("--slow-steps", type=int, default=_SMALL.refresh_steps,
+                  help="optimiser steps per refresh")
+  ap.add_argument("--slow-check-every", type=int, default=_SMALL.check_every,
                   help="slow-path batches per monitor check (records pooled over them)")
-  ap.add_argument("--slow-budget", type=float, default=0.05,
+  ap.add_argument("--slow-budget", type=float, default=_SMALL.time_budget,
                   help="arm scheduled: refresh time as a share of rollout time at most")
   ap.add_argument("--slow-signal", choices=SP.SIGNALS, default="tv",
                   help="what the slow-path monitor watches (SlowPathConfig.signal)")
-  ap.add_argument("--slow-acc-drop", type=float, default=0.05,
+  ap.add_argument("--slow-acc-drop", type=float, default=_SMALL.acceptance_drop,
                   help="slow-path acceptance drop below the calibration median that a degraded "
                        "check needs besides z (SlowPathConfig.acceptance_drop; -1: TV alone)")
-  ap.add_argument("--slow-z", type=float, default=0.5,
+  ap.add_argument("--slow-z", type=float, default=_SMALL.z_threshold,
                   help="slow-path z threshold on the heads' sparse TV (SlowPathConfig.z_threshold)")
   ap.add_argument("--reflex-stride-rows", type=float, default=1.0,
                   help="Reflex feedback (and so slow-path records) every ceil(x * active rows / "
@@ -186,7 +190,8 @@ def parse(argv):
   ap.add_argument("--trainer-sleep", type=int, default=3,
                   help="arm trainer: batches Reflex sleeps after an awake batch whose corrections "
                        "did not pay (ReflexConfig.sleep_batches; 0: never sleeps)")
-  ap.add_argument("--calibration", type=int, default=6, help="slow-path calibration batches")
+  ap.add_argument("--calibration", type=int, default=_SMALL.calibration_batches,
+                  help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=32)
   ap.add_argument("--nodes", type=int, default=None,
                   help="nodes per row in every bucket (overrides --node-budget)")

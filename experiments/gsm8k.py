@@ -193,8 +193,9 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   if a.node_budget is not None:
     spec = dataclasses.replace(spec, node_budget=a.node_budget)
   slow = SP.SlowPathConfig(mode=a.slow_path)
-  if a.model is None:  # a short CPU run: windows sized for tens of steps, not thousands
-    slow = SP.SlowPathConfig.for_tests(mode=a.slow_path)
+  if a.model is None:  # a short CPU run: windows sized for tens of steps, not thousands, and the
+    # settings the drift replay tuned for the embedded model's heads
+    slow = SP.SlowPathConfig.for_small_models(mode=a.slow_path)
   reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep)
   if a.slow_records == "trainer":  # the decode loop records nothing
     reflex = dataclasses.replace(reflex, record_capacity=0)

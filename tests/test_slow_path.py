@@ -457,3 +457,34 @@ def test_compiled_refresh_cache_is_bounded_lru(monkeypatch):
   assert seconds == 0.0 and sp.refresh_compiles() == len(cfgs)
   R._compiled_refresh(cfgs[0], None, args)  # evicted long ago: compiled again
   assert sp.refresh_compiles() == len(cfgs) + 1 and len(R._COMPILED) == R.CACHE_SIZE
+
+
+def test_small_model_preset_is_the_replay_tuned_settings():
+  """``for_small_models``: ``for_tests``' windows with the drift replay's tuned settings, which
+  are also ``bench_adaptation.py``'s flag defaults; keywords override."""
+  from conftest import load_script
+  c = sp.SlowPathConfig.for_small_models()
+  t = sp.SlowPathConfig.for_tests()
+  assert (c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
+          c.calibration_batches) == (1e-3, 4608, 10, 1, 0.5, 6)
+  assert (c.min_records, c.cooldown_batches, c.chunk_size) == (t.min_records, t.cooldown_batches,
+                                                              t.chunk_size)
+  assert sp.SlowPathConfig.for_small_models(mode="off", refresh_steps=3).refresh_steps == 3
+  a = load_script("bench_adaptation.py").parse([])
+  assert (a.slow_lr, a.slow_reservoir, a.slow_steps, a.slow_check_every, a.slow_z,
+          a.calibration, a.slow_budget) == (c.learning_rate, c.reservoir_size, c.refresh_steps,
+                                            c.check_every, c.z_threshold, c.calibration_batches,
+                                            c.time_budget)
+
+
+def test_main_job_slow_path_settings(tmp_path):
+  """The main job's slow path: the small-model preset on the embedded model, the library's
+  defaults with --model (a real model's heads)."""
+  from conftest import load_script
+  mod = load_script("gsm8k.py")
+  cfg = mod.run_config(mod.parse(["--slow-records", "trainer", "--trainer-anchors", "64"]),
+                       rollout_kind="specroll")
+  assert cfg.adaptation.slow == sp.SlowPathConfig.for_small_models()
+  assert cfg.adaptation.records == "trainer" and cfg.adaptation.trainer_anchors == 64
+  cfg = mod.run_config(mod.parse(["--model", str(tmp_path)]), rollout_kind="specroll")
+  assert cfg.adaptation.slow == sp.SlowPathConfig()

@@ -143,6 +143,18 @@ class SlowPathConfig:
     base.update(kw)
     return cls(**base)
 
+  @classmethod
+  def for_small_models(cls, **kw) -> SlowPathConfig:
+    """:meth:`for_tests`' windows with the settings the GRPO drift replay tuned for the embedded
+    2M-parameter model's heads (``experiments/bench_adaptation.py``'s defaults; docs/benchmarks.md,
+    "SpecRoll on real GRPO drift", session 23): AdamW at 1e-3 (the default 1e-5 is for the heads of
+    a 1.5B-parameter model), 1536 records per head of three, 10 steps per refresh, a check every
+    batch at z > 0.5 after 6 calibration batches, and a 5% budget for the scheduled mode."""
+    base = dict(learning_rate=1e-3, reservoir_size=4608, refresh_steps=10, scheduled_steps=10,
+                check_every=1, z_threshold=0.5, calibration_batches=6, time_budget=0.05)
+    base.update(kw)
+    return cls.for_tests(**base)
+
   def per_head(self, num_heads: int) -> int:
     """Reservoir records per head (C)."""
     return self.reservoir_size // num_heads
