@@ -181,11 +181,10 @@ class Run:
     self.state = jax.device_put(init_train_state(params, run.grpo), self.replicated)
     self.heads = heads
     # "static-heads": the plain heads, proposing as SpecRoll's do with Reflex off or asleep
-    # (RankedHeads for root-conditioned heads), placed like the parameters
+    # (RankedHeads for root-conditioned heads); host-local like the rows each process decodes
     self.static = None
     if run.rollout == "static-heads":
-      prop, pp = _adapt.heads_proposer(run.adaptation, heads)
-      self.static = prop, jax.device_put(pp, self.replicated)
+      self.static = _adapt.heads_proposer(run.adaptation, heads)
     self.adapt = None
     if run.rollout == "specroll":  # placed like the parameters, for the same reason
       self.adapt = jax.device_put(_adapt.init(run.adaptation.for_sampling(self.sampling), heads),
