@@ -589,7 +589,7 @@ class ProposerArm:
   the table is updated on the host after every batch (its time charged as adaptation)."""
 
   def __init__(self, proposer, make, calibrate: bool, commit: bool = True):
-    self.proposer, self.make, self.commit = proposer, make, commit
+    self.proposer, self.make, self.commit = proposer, make, commit  # commit: _commit the params
     self.cal = calibration.init(proposer.default_acceptance()) if calibrate else None
 
   def kwargs(self, b):
@@ -735,6 +735,9 @@ def main(argv=None):
   mg = Merged(heads=ranked, lookup=gl, max_nodes=rcfg.max_nodes)
   calibrate = not a.no_calibration
   results, warmup_s, both_heads = {}, {}, None
+  heads0 = _commit(heads0)  # the ranked arms pass heads as they are, committed like the policies
+  if ceiling is not None:
+    c_heads = [_commit(h) for h in c_heads]
   # static, ceiling, then trainer when it sleeps: one program (the ranked heads, other
   # parameters; a sleeping Reflex proposes with the plain ranked heads), compiled once
   ranked_arms = ("static", "ceiling") + (("trainer",) if a.trainer_sleep > 0 else ())
@@ -749,9 +752,10 @@ def main(argv=None):
                           batches=batches, sampling=sampling, num_anchors=a.trainer_anchors,
                           seed=a.seed)
     elif arm == "static":  # the ceiling's program (same proposer, step 0's heads): one compile
-      # committed heads, the acceptance table as RankedHeads.params makes it: as a sleeping
-      # Reflex's batch passes them (adaptation.proposer), so arm trainer reuses this program
-      runner = ProposerArm(ranked, lambda b, t: ranked.params(_commit(heads0)), calibrate=False,
+      # committed heads (committed once, below), the acceptance table as RankedHeads.params
+      # makes it: as a sleeping Reflex's batch passes them (adaptation.proposer), so arm trainer
+      # reuses this program
+      runner = ProposerArm(ranked, lambda b, t: ranked.params(heads0), calibrate=False,
                            commit=False)
     elif arm in ADAPT:
       corr, mode = ADAPT[arm]
@@ -760,8 +764,8 @@ def main(argv=None):
       runner = AdaptArm(_commit(A.init(ac, heads0)),
                         keep_heads=arm == "both" and "merged" in a.arms)
     elif arm == "ceiling":
-      runner = ProposerArm(ranked, lambda b, t: ranked.params(_commit(c_heads[b])),
-                           calibrate=False, commit=False)
+      runner = ProposerArm(ranked, lambda b, t: ranked.params(c_heads[b]), calibrate=False,
+                           commit=False)
     elif arm == "lookup":
       runner = ProposerArm(gl, lambda b, t: gl.context(
           None if t is None else t.reshape(gl.acceptance_shape)), calibrate=calibrate)

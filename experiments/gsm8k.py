@@ -104,7 +104,8 @@ def parse(argv):
                   help="batches Reflex sleeps (the plain heads propose: no Reflex work in the "
                        "decode loop) after a batch whose corrections did not pay; needs "
                        "--slow-records trainer or --slow-path off (ReflexConfig.sleep_batches)")
-  ap.add_argument("--trainer-anchors", type=int, default=512,
+  ap.add_argument("--trainer-anchors", type=int,
+                  default=adaptation.AdaptationConfig().trainer_anchors,
                   help="with --slow-records trainer: anchors drawn per batch from the train "
                        "step's forward, records per head per batch at most "
                        "(AdaptationConfig.trainer_anchors)")
