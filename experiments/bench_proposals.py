@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import _common
@@ -45,6 +46,12 @@ from specroll_jax.proposers.merged import Merged
 from specroll_jax.proposers.ranked import RankedProposer
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.store import ResponseStore
+
+
+# case name -> the --proposers key that selects it
+PROPOSERS = {"static Medusa heads": "medusa", "root-conditioned heads": "cond",
+             "own lookup": "lookup", "group lookup (siblings)": "group",
+             "group lookup (siblings + earlier)": "group-earlier", "merged": "merged"}
 
 
 def _row(name, mode, out, seconds, compile_s, van, nodes=None):
@@ -71,13 +78,16 @@ def _prior_store(config, prompts, prompt_ids, previous, max_tokens):
   return store.context(prompt_ids, prompts, vocab_size=config.vocab_size)
 
 
-def run_temperature(a, config, params, tok, path, temperature):
+def run_temperature(a, config, params, tok, path, temperature, sink=lambda t, rows: None):
   sampling = rollout.SamplingConfig(temperature=temperature)
   g, m = a.group, a.max_new_tokens
   print(f"== T = {temperature}: fitting / loading heads ==", flush=True)
-  medusa = pipeline.fitted_heads(config, params, tok, path, temperature=temperature,
-                                 num_prompts=a.medusa_prompts, steps=a.medusa_steps,
-                                 max_new_tokens=m)
+  keep = set(a.proposers or PROPOSERS.values())
+  medusa = None  # fitted only when a case or the head-quality table uses it
+  if "medusa" in keep:
+    medusa = pipeline.fitted_heads(config, params, tok, path, temperature=temperature,
+                                   num_prompts=a.medusa_prompts, steps=a.medusa_steps,
+                                   max_new_tokens=m)
   cond = pipeline.fitted_cond_heads(config, params, tok, path, sampling=sampling,
                                     num_prompts=a.cond_prompts, steps=a.cond_steps,
                                     max_new_tokens=m)
@@ -115,6 +125,7 @@ def run_temperature(a, config, params, tok, path, temperature):
       max_new_tokens=m, cache_length=pb.cache_length, kernels=Kernels.resolve("auto"))
   rows_b = tuple(r for r, _ in fixed.bucket_shapes(len(batch), 64))
   quality = {}
+  cases = [c for c in cases if PROPOSERS[c[0]] in keep]
   for name, prop, make in cases:
     ranked = isinstance(prop, RankedProposer)
     table = None
@@ -139,6 +150,7 @@ def run_temperature(a, config, params, tok, path, temperature):
           f"{t_van / t:.2f}x", flush=True)
     if not ranked:
       _release()
+      sink(temperature, rows)
       continue
     expected = out.stats.spec.proposer.expected_per_row_step()
     quality[name] = expected.tolist()
@@ -156,12 +168,15 @@ def run_temperature(a, config, params, tok, path, temperature):
       print(f"  {name} @ {mode} {spec.nodes}: tau {rows[-1]['tau']:.3f}, {t_van / t:.2f}x, "
             f"{rows[-1]['skipped']} steps gated", flush=True)
     _release()
+    sink(temperature, rows)
   for r in rows:
     r["vs_vanilla"] = t_van / r["seconds"]
   # head 1 quality on held-out rollouts (test prompts) against the target's own top-k mass
   held = rollout.generate(config, params, batch, return_hidden=True, **kw)
   hq = {}
   for name, hd in (("Medusa", medusa), ("root-conditioned", cond)):
+    if hd is None:
+      continue
     hq[name] = CH.hit_rates(config, params, hd, np.asarray(held.tokens), np.asarray(held.lengths),
                             np.asarray(held.hidden), sampling=sampling)
   return {"temperature": temperature, "rows": rows, "head_quality": hq,
@@ -201,6 +216,8 @@ def main(argv=None):
   ap.add_argument("--medusa-steps", type=int, default=600)
   ap.add_argument("--cond-prompts", type=int, default=2048)
   ap.add_argument("--cond-steps", type=int, default=4000)
+  ap.add_argument("--proposers", nargs="+", choices=sorted(set(PROPOSERS.values())),
+                  default=None, help="run only these proposers (default: all)")
   ap.add_argument("--quick", action="store_true", help="CI-sized: 2 prompts x 4, 32 tokens, T=1")
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, temperatures=0.0, nodes=1, cost_nodes=0, warmup=0, repeats=1,
@@ -210,16 +227,30 @@ def main(argv=None):
     a.repeats, a.warmup, a.cost_nodes = 1, 1, [0, 2]
     a.medusa_prompts, a.medusa_steps, a.cond_prompts, a.cond_steps = 16, 20, 16, 20
   config, params, tok, path = _common.load_model(a)
-  results = [run_temperature(a, config, params, tok, path, t) for t in a.temperatures]
-  meta = {"command": "experiments/bench_proposals.py " + " ".join(argv or []),
+  meta = {"command": "experiments/bench_proposals.py " + " ".join(argv or sys.argv[1:]),
           "cpu": _common.cpu_model(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "model": str(path),
           "args": {k: v for k, v in vars(a).items()}}
-  _print(results, a)
   out = Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
+  partial = out.with_suffix(".partial.json")
+  done = []
+
+  def sink(temperature, rows):  # every finished row on disk: a killed run keeps what it measured
+    tmp = partial.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"meta": meta, "results": done,
+                               "running": {"temperature": temperature, "rows": rows}},
+                              indent=1, default=_jsonable))
+    tmp.replace(partial)
+
+  results = []
+  for t in a.temperatures:
+    results.append(run_temperature(a, config, params, tok, path, t, sink))
+    done.append(results[-1])
+  _print(results, a)
   out.write_text(json.dumps({"meta": meta, "results": results}, indent=2, default=_jsonable))
   _plot(results, out.with_suffix(".png"))
+  partial.unlink(missing_ok=True)
   print(f"wrote {out} and {out.with_suffix('.png')}")
   return results
 
