@@ -47,7 +47,6 @@ from specroll_jax.proposers.ranked import RankedProposer
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.store import ResponseStore
 
-
 # case name -> the --proposers key that selects it
 PROPOSERS = {"static Medusa heads": "medusa", "root-conditioned heads": "cond",
              "own lookup": "lookup", "group lookup (siblings)": "group",
