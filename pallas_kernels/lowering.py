@@ -30,13 +30,41 @@ def abstract_device_context(platform: str):
   return jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device))
 
 
+@contextlib.contextmanager
+def verified_triton_modules():
+  """Within: every Triton module Pallas lowers is run through MLIR's verifier at once, raising
+  ``AssertionError`` on failure. Pallas does not verify the module it serialises; the device's
+  XLA does, when it compiles ("Failed to parse Triton module"). A jnp.where of two Python ints
+  as a fori_loop bound lowered to an i1 ``arith.select`` and the ``scf.for`` failed there, on
+  the first H200 run, while every export here had passed. Patches jax's private Triton
+  registration for the duration (jax 0.10 and 0.11)."""
+  from jax._src.pallas.triton import pallas_call_registration as reg
+  real = reg.lowering.lower_jaxpr_to_triton_module
+
+  def lower_and_verify(*args, **kwargs):
+    result = real(*args, **kwargs)
+    try:
+      result.module.operation.verify()
+    except Exception as e:  # MLIR's verifier raises its own error type
+      raise AssertionError(f"Triton module fails MLIR verification: {e}") from None
+    return result
+
+  reg.lowering.lower_jaxpr_to_triton_module = lower_and_verify
+  try:
+    yield
+  finally:
+    reg.lowering.lower_jaxpr_to_triton_module = real
+
+
 def export(fn, arg_specs, platform: str) -> jax.export.Exported:
   """``jax.export`` of ``jax.jit(fn)`` at ``arg_specs`` (``jax.ShapeDtypeStruct``s) for one
-  platform ("cuda" or "tpu"). Raises whatever lowering raises (tiling rules, size limits)."""
+  platform ("cuda" or "tpu"). Raises whatever lowering raises (tiling rules, size limits); for
+  "cuda" every Triton module is also verified (``verified_triton_modules``)."""
   if platform not in MARKERS:
     raise ValueError(f"export: platform must be one of {tuple(MARKERS)}, got {platform!r}")
   checks = [jax.export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-  with abstract_device_context(platform):
+  verify = verified_triton_modules() if platform == "cuda" else contextlib.nullcontext()
+  with abstract_device_context(platform), verify:
     return jax.export.export(jax.jit(fn), platforms=[platform], disabled_checks=checks)(*arg_specs)
 
 

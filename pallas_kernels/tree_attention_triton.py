@@ -74,8 +74,12 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs, s
     return lax.cond(any_allowed, go, lambda c: c, carry)  # skip fully masked blocks
 
   n_new_full = t_new // block_t
+  # Trip count n_new_full on split 0, else 0, in int32 arithmetic: a jnp.where of two Python ints
+  # here lowers (jax 0.10-0.11 Triton) to an i1 select, and the scf.for then fails to verify on
+  # the device ("lowerBound, upperBound, step have same type").
+  n_new_blocks = n_new_full * (1 - jnp.minimum(s_id, 1))
   carry = lax.fori_loop(
-      0, jnp.where(s_id == 0, n_new_full, 0),
+      0, n_new_blocks,
       lambda j, c: new_block(pl.multiple_of(j * block_t, block_t), c), carry)
   if t_new % block_t:
     carry = lax.cond(s_id == 0,
