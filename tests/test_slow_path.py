@@ -276,6 +276,53 @@ def test_evaluate_matches_a_dense_reference_at_any_chunk_size(tiny):
     assert got.n.tolist() == [128] * K
 
 
+def test_after_evaluation_reads_only_the_held_out_slots_and_matches_evaluate(tiny, refreshed):
+  config, params, _, _ = tiny
+  state, heads, _, res = refreshed
+  c = TRAIN_CFG.per_head(K)
+  held = jnp.asarray(sp.holdout_slots(TRAIN_CFG, c))[None] & state.reservoir.valid
+  ev = jax.device_get(jax.jit(sp.evaluate, static_argnums=(0, 1))(
+      REFRESH_CFG, config, params, heads, state.reservoir, held))
+  for k in (0, 2):  # the kept heads: what refresh returned is what it evaluated "after"
+    np.testing.assert_allclose([res.after.ce[k], res.after.tv[k]], [ev.ce[k], ev.tv[k]],
+                               rtol=1e-5)
+    assert res.after.n[k] == ev.n[k] == held[k].sum()
+
+
+def test_minibatch_steps_read_only_their_group_of_chunks(tiny, refreshed):
+  """step_chunks = 2 of 8 chunks: 4 strided groups covering every chunk once; one step reads
+  group 0 alone, so replacing every training record outside it leaves the step's result
+  unchanged, while a full-batch step (and a second minibatch step, group 1) does change."""
+  config, params, student, _ = tiny
+  state, _, _, _ = refreshed
+  c = TRAIN_CFG.per_head(K)
+  cfg = TRAIN_CFG.replace(chunk_size=16, step_chunks=2).refresh_settings()
+  groups = sp.step_groups(cfg, c)
+  assert groups.shape == (4, 2) and sorted(groups.ravel().tolist()) == list(range(8))
+  assert sp.step_groups(cfg.replace(step_chunks=0), c) is None
+  assert sp.step_groups(cfg.replace(step_chunks=8), c) is None
+  held = sp.holdout_slots(TRAIN_CFG, c)
+  outside = ~np.isin(np.arange(c) // 16, groups[0]) & ~held
+  other = make_records(config, params, student, 7, c, tv=0.3)
+  swapped = fill(state, jax.tree.map(
+      lambda a, b: (jnp.where(outside.reshape((1, c) + (1,) * (a.ndim - 2)), b, a)
+                    if a.ndim > 1 else a), state.reservoir, other)).reservoir
+  mask = jnp.ones(K, bool)
+
+  def heads_after(config_, reservoir, steps):
+    out = sp.refresh_jit(config_, config, params, student, state.opt_state, reservoir, mask,
+                         jnp.int32(steps))
+    return jax.device_get(out[0])
+
+  one, one_swapped = heads_after(cfg, state.reservoir, 1), heads_after(cfg, swapped, 1)
+  for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(one_swapped), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  assert not leaves_equal(one, student)  # the step did move the heads
+  full = cfg.replace(step_chunks=0)
+  assert not leaves_equal(heads_after(full, state.reservoir, 1), heads_after(full, swapped, 1))
+  assert not leaves_equal(heads_after(cfg, state.reservoir, 2), heads_after(cfg, swapped, 2))
+
+
 def test_rollback_restores_parameters_and_optimiser_state_exactly(tiny, refreshed):
   """Held-out records whose target is the heads' own distribution: any update raises held-out
   CE and TV, so every head is rolled back, to the bit."""

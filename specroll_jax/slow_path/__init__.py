@@ -54,6 +54,7 @@ from specroll_jax.slow_path.retrain import (
   refresh,
   refresh_compiles,
   refresh_jit,
+  step_groups,
 )
 from specroll_jax.slow_path.state import (
   Decision,
@@ -212,4 +213,4 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
 __all__ = ["MODES", "REASONS", "SIGNALS", "Decision", "Evaluation", "MonitorState", "RefreshResult",
            "SlowPathConfig", "SlowPathState", "after_batch", "batch_stats", "evaluate",
            "holdout_slots", "init", "keep_rule", "monitor_init", "monitor_update", "optimizer",
-           "refresh", "refresh_compiles", "refresh_jit"]
+           "refresh", "refresh_compiles", "refresh_jit", "step_groups"]

@@ -63,6 +63,10 @@ class SlowPathConfig:
   use_correction: train the heads with the Reflex correction recorded with each record added to
     their output (False: the raw heads learn to match the target on their own).
   chunk_size: records per head processed together; bounds the [K, chunk, V] logits in memory.
+  step_chunks: chunks (of ``chunk_size`` records per head) in one optimiser step; 0 (default) or
+    at least the reservoir's chunks: every chunk, a full-batch step. Fewer: minibatch steps over
+    fixed strided groups of chunks (step i takes group i mod G, each group spread over the ring,
+    so over time), which divides a step's cost by about chunks / step_chunks.
   """
 
   mode: str = "degradation"
@@ -98,6 +102,7 @@ class SlowPathConfig:
   temperature: float = 1.0
   use_correction: bool = False
   chunk_size: int = 256
+  step_chunks: int = 0
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -109,7 +114,7 @@ class SlowPathConfig:
     for name in ("calibration_batches", "check_every", "patience", "max_heads",
                  "scheduled_min_batches", "scheduled_steps", "refresh_steps", "chunk_size"):
       check_int(self, name, 1)
-    for name in ("min_records", "cooldown_batches", "scheduled_min_records"):
+    for name in ("min_records", "cooldown_batches", "scheduled_min_records", "step_chunks"):
       check_int(self, name, 0)
     check_float(self, "mad_scale", 0.0, lo_open=True)
     check_float(self, "min_scale", 0.0, lo_open=True)
@@ -168,6 +173,7 @@ class SlowPathConfig:
 # The fields ``refresh`` reads (everything else is the monitor's).
 _REFRESH_FIELDS = ("holdout_fraction", "distill_weight", "token_weight", "proximal_weight",
                    "learning_rate", "b1", "b2", "eps", "weight_decay", "clip_norm",
-                   "keep_ce_ratio", "guard", "temperature", "use_correction", "chunk_size")
+                   "keep_ce_ratio", "guard", "temperature", "use_correction", "chunk_size",
+                   "step_chunks")
 
 

@@ -45,11 +45,25 @@ def holdout_slots(cfg: SlowPathConfig, capacity: int) -> np.ndarray:
   return np.floor((j + 1) * cfg.holdout_fraction) > np.floor(j * cfg.holdout_fraction)
 
 
-def _chunks(cfg: SlowPathConfig, capacity: int) -> tuple[np.ndarray, np.ndarray]:
-  cs = min(cfg.chunk_size, capacity)
-  nc = -(-capacity // cs)
-  idx = np.arange(nc * cs).reshape(nc, cs)
-  return np.minimum(idx, capacity - 1), idx < capacity
+def _chunks(cfg: SlowPathConfig, capacity: int, slots=None) -> tuple[np.ndarray, np.ndarray]:
+  """([nc, cs] slot index, [nc, cs] inside) over ``slots`` (default: every slot), in chunks of
+  ``chunk_size``; the last chunk is padded with its last slot, marked outside."""
+  slots = np.arange(capacity) if slots is None else np.asarray(slots)
+  cs = min(cfg.chunk_size, len(slots))
+  nc = -(-len(slots) // cs)
+  pos = np.arange(nc * cs).reshape(nc, cs)
+  return slots[np.minimum(pos, len(slots) - 1)], pos < len(slots)
+
+
+def step_groups(cfg: SlowPathConfig, capacity: int) -> np.ndarray | None:
+  """[G, step_chunks] chunk ids of the minibatch groups (None: full-batch steps). Group g holds
+  chunks g, g + G, g + 2G, ... (mod the chunk count): each spread over the ring, i.e. over time."""
+  nc = len(_chunks(cfg, capacity)[0])
+  k = cfg.step_chunks
+  if k == 0 or k >= nc:
+    return None
+  g = -(-nc // k)
+  return (np.arange(g)[:, None] + g * np.arange(k)[None, :]) % nc
 
 
 def _log_probs(cfg, model_config, params, heads, rec: Records, active=None):
@@ -107,11 +121,12 @@ def _take(rec: Records, idx) -> Records:
 
 
 def _forward(cfg, model_config, params, heads: Heads, reservoir: Records, select, keep_terms,
-             active=None):
-  """Chunked forward of the heads in ``active`` (None: all) over the reservoir: the Evaluation
-  over ``select`` (and valid; NaN for a head outside ``active``) and, with ``keep_terms``, the
-  log-probs on the support and tail per chunk ([nc, K, cs, ...]; zeros outside ``active``)."""
-  idx, inside = _chunks(cfg, reservoir.capacity)
+             active=None, slots=None):
+  """Chunked forward of the heads in ``active`` (None: all) over the reservoir's ``slots`` (None:
+  every slot): the Evaluation over ``select`` (and valid; NaN for a head outside ``active``) and,
+  with ``keep_terms``, the log-probs on the support and tail per chunk ([nc, K, cs, ...]; zeros
+  outside ``active``)."""
+  idx, inside = _chunks(cfg, reservoir.capacity, slots)
 
   def body(acc, xs):
     i, ok = xs
@@ -156,8 +171,10 @@ def _select(mask: Bool[Array, " K"], new, old):
 def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads,
             opt_state: optax.OptState, reservoir: Records, mask: Bool[Array, " K"],
             num_steps: Int[Array, ""]) -> tuple[Heads, optax.OptState, RefreshResult]:
-  """Train the heads in ``mask`` for ``num_steps`` full-batch AdamW steps on the reservoir's
-  training records, then keep or roll back each one by :func:`keep_rule` on the held-out records.
+  """Train the heads in ``mask`` for ``num_steps`` AdamW steps on the reservoir's training records
+  (full-batch, or minibatches of ``cfg.step_chunks`` chunks: :func:`step_groups`), then keep or
+  roll back each one by :func:`keep_rule` on the held-out records (the "after" evaluation reads
+  only the held-out slots).
 
   ``cfg`` and ``model_config`` are static (``cfg.refresh_settings()`` gives the same result with
   fewer distinct programs); ``mask`` and ``num_steps`` are traced, so one compiled
@@ -178,9 +195,11 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   before, old = _forward(cfg, model_config, params, heads, reservoir, held, True, trained)
   idx, inside = _chunks(cfg, c)
   xs = (jnp.asarray(idx), jnp.asarray(inside))
-  weight = jnp.where(trained, 1.0 / jnp.maximum(n_train, 1.0), 0.0)  # [K]
+  groups = step_groups(cfg, c)
+  if groups is not None:  # training records per head in each chunk [K, nc]
+    per_chunk = (jnp.take(train, jnp.asarray(idx), axis=1) & jnp.asarray(inside)).sum(-1)
 
-  def chunk_loss(hd, rec, w, lo_s, lo_tail):
+  def chunk_loss(hd, rec, w, lo_s, lo_tail, weight):
     lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, trained)
     ce, _, tok = _terms(rec, lq_s, lq_tail, lq_tok)
     used = rec.support >= 0
@@ -190,20 +209,29 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
     per_head = (per * w).sum(1) * weight  # [K]
     return per_head.sum(), per_head
 
-  def grads(hd):
+  def grads(hd, i):
+    chunks = xs + old
+    n = n_train
+    if groups is not None:  # step i's minibatch: group i mod G, its own mean
+      sel = jnp.asarray(groups)[i % len(groups)]
+      chunks = jax.tree.map(lambda a: jnp.take(a, sel, axis=0), chunks)
+      n = jnp.take(per_chunk, sel, axis=1).sum(1).astype(jnp.float32)
+    weight = jnp.where(trained, 1.0 / jnp.maximum(n, 1.0), 0.0)  # [K]
+
     def body(acc, x):
-      i, ok, lo_s, lo_tail = x
-      rec = _take(reservoir, i)
-      w = (jnp.take(train, i, axis=1) & ok).astype(jnp.float32)
-      (_, per_head), g = jax.value_and_grad(chunk_loss, has_aux=True)(hd, rec, w, lo_s, lo_tail)
+      j, ok, lo_s, lo_tail = x
+      rec = _take(reservoir, j)
+      w = (jnp.take(train, j, axis=1) & ok).astype(jnp.float32)
+      (_, per_head), g = jax.value_and_grad(chunk_loss, has_aux=True)(hd, rec, w, lo_s, lo_tail,
+                                                                      weight)
       return jax.tree.map(jnp.add, acc, (g, per_head)), None
 
     zero = (jax.tree.map(jnp.zeros_like, hd), jnp.zeros((hd.num_heads,), jnp.float32))
-    return jax.lax.scan(body, zero, xs + old)[0]
+    return jax.lax.scan(body, zero, chunks)[0]
 
   def step(i, carry):
     hd, opt, first_loss = carry
-    g, loss = grads(hd)
+    g, loss = grads(hd, i)
     g = jax.vmap(lambda x: clip.update(x, optax.EmptyState())[0])(g)
     upd, new_opt = jax.vmap(tx.update)(g, opt, hd)
     new_hd = optax.apply_updates(hd, upd)
@@ -212,7 +240,9 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
 
   nan = jnp.full((heads.num_heads,), jnp.nan, jnp.float32)
   new_heads, new_opt, loss = jax.lax.fori_loop(0, num_steps, step, (heads, opt_state, nan))
-  after = _forward(cfg, model_config, params, new_heads, reservoir, held, False, trained)[0]
+  held_slots = np.nonzero(holdout_slots(cfg, c))[0]  # the "after" evaluation reads only these
+  after = _forward(cfg, model_config, params, new_heads, reservoir, held, False, trained,
+                   slots=held_slots)[0]
   keep = keep_rule(cfg, trained, before, after)
   return (_select(keep, new_heads, heads), _select(keep, new_opt, opt_state),
           RefreshResult(trained=trained, keep=keep, before=before, after=after,
