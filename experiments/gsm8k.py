@@ -109,6 +109,9 @@ def parse(argv):
                   help="with --slow-records trainer: anchors drawn per batch from the train "
                        "step's forward, records per head per batch at most "
                        "(AdaptationConfig.trainer_anchors)")
+  ap.add_argument("--slow-step-chunks", type=int, default=None,
+                  help="slow-path reservoir chunks per optimiser step, 0 = full batch (default: "
+                       "the slow-path preset's; SlowPathConfig.step_chunks)")
   ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
   ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
   ap.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES))
@@ -129,7 +132,7 @@ def parse(argv):
       setattr(a, name, if_syn if syn else if_gsm8k)
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
               beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0,
-              trainer_anchors=1)
+              trainer_anchors=1, slow_step_chunks=0)
   if a.reflex_sleep > 0 and a.slow_records == "rollout" and a.slow_path != "off":
     cli.fail("--reflex-sleep", a.reflex_sleep, "needs --slow-records trainer or --slow-path off "
              "(a sleeping Reflex records nothing for the slow path)")
@@ -197,6 +200,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   if a.model is None:  # a short CPU run: windows sized for tens of steps, not thousands, and the
     # settings the drift replay tuned for the embedded model's heads
     slow = SP.SlowPathConfig.for_small_models(mode=a.slow_path)
+  if a.slow_step_chunks is not None:
+    slow = slow.replace(step_chunks=a.slow_step_chunks)
   reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep)
   if a.slow_records == "trainer":  # the decode loop records nothing
     reflex = dataclasses.replace(reflex, record_capacity=0)
