@@ -26,7 +26,8 @@ For each model, at the same B rows and N tree nodes per row:
     a per-step part; and the records built from the trainer's forward of a batch
     (``trainer_records.from_hidden``, --trainer-anchors anchors). Both are linear in the records
     (their unembedding over V dominates), so the table also gives one refresh at the drift
-    replay's setting (1536 records per head, 10 steps: ``bench_adaptation.py``'s defaults),
+    replay's setting (1536 records per head, 10 steps each over half of them:
+    ``SlowPathConfig.for_small_models``, ``bench_adaptation.py``'s defaults),
     scaled from the measured ones, all in units of one verify forward of the same model.
 
 The static baseline is what ``adaptation.proposer`` runs for Medusa heads with Reflex and the slow
@@ -364,20 +365,33 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
   return names, cases
 
 
-def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float,
-                   replay_records: int = 1536, replay_steps: int = 10) -> dict:
-  """The slow path's figures of one model: measured ms, the fixed / per-step split of a refresh,
-  the replay setting's refresh scaled linearly in records, each also in verify forwards."""
+def _replay_setting():
+  """(records per head, steps, share of the records one step reads) of the replay's refresh:
+  ``SlowPathConfig.for_small_models`` for 3 heads (1536, 10, 0.5 with ``step_chunks`` 12 of 24)."""
+  from specroll_jax import slow_path as SP
+  cfg = SP.SlowPathConfig.for_small_models()
+  per_head = cfg.per_head(3)
+  groups = SP.step_groups(cfg, per_head)
+  share = 1.0 if groups is None else groups.shape[1] / -(-per_head // cfg.chunk_size)
+  return per_head, cfg.refresh_steps, share
+
+
+def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float) -> dict:
+  """The slow path's figures of one model: measured ms, the fixed / per-step split of a refresh
+  (full-batch steps), the replay setting's refresh (``_replay_setting``: its steps read a share
+  of the records) scaled linearly in records, each also in verify forwards."""
+  replay_records, replay_steps, share = _replay_setting()
   ms = {n: 1e3 * t["s"] for n, t in zip(names, times, strict=True)}
   r1, r3 = ms[names[0]], ms[names[1]]
   per_step = (r3 - r1) / (SLOW_STEPS[1] - SLOW_STEPS[0])
   fixed = r1 - SLOW_STEPS[0] * per_step
-  replay = (fixed + replay_steps * per_step) * replay_records / records
+  replay = (fixed + replay_steps * share * per_step) * replay_records / records
   rec_ms = ms[names[2]]
   return {"records": records, "anchors": anchors, "verify_ms": verify_ms, "measured_ms": ms,
           "compile_s": {n: t["compile_s"] for n, t in zip(names, times, strict=True)},
           "refresh_fixed_ms": fixed, "refresh_per_step_ms": per_step,
-          "replay_refresh": {"records": replay_records, "steps": replay_steps, "ms": replay,
+          "replay_refresh": {"records": replay_records, "steps": replay_steps,
+                             "step_share": share, "ms": replay,
                              "verify_forwards": replay / verify_ms},
           "refresh_1_step_verify_forwards": r1 / verify_ms,
           "trainer_records_ms": rec_ms, "trainer_records_verify_forwards": rec_ms / verify_ms,
@@ -562,7 +576,8 @@ def _report(results: list[dict], meta: dict) -> None:
   s = Table(title="The slow path's host work vs one verify forward (same B, N; refresh of one head "
                   "on random valid records; compile excluded)")
   for c in ("model", "verify ms", "refresh: fixed ms", "per step ms", "records/head",
-            "1-step refresh = verify fwds", "replay refresh (1536 rec., 10 steps) ms",
+            "1-step refresh = verify fwds",
+            "replay refresh ({} rec., {} steps x {:.0%} of them) ms".format(*_replay_setting()),
             "= verify fwds", "trainer records ms (anchors)", "= verify fwds"):
     s.add_column(c, justify="left" if c == "model" else "right")
   for res in results:

@@ -51,8 +51,9 @@ def test_quick_run_writes_consistent_rows(bench, tmp_path):
     r1, r3 = list(sp["measured_ms"].values())[:2]
     assert sp["refresh_fixed_ms"] + sp["refresh_per_step_ms"] == pytest.approx(r1)
     assert sp["refresh_fixed_ms"] + 3 * sp["refresh_per_step_ms"] == pytest.approx(r3)
-    rp = sp["replay_refresh"]
-    assert rp["ms"] == pytest.approx((sp["refresh_fixed_ms"] + 10 * sp["refresh_per_step_ms"])
+    rp = sp["replay_refresh"]  # for_small_models: 10 steps, each over half of 1536 records
+    assert (rp["records"], rp["steps"], rp["step_share"]) == (1536, 10, 0.5)
+    assert rp["ms"] == pytest.approx((sp["refresh_fixed_ms"] + 5 * sp["refresh_per_step_ms"])
                                      * 1536 / sp["records"])
     assert rp["verify_forwards"] == pytest.approx(rp["ms"] / sp["verify_ms"])
     assert sp["trainer_records_verify_forwards"] == pytest.approx(

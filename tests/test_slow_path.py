@@ -513,15 +513,16 @@ def test_small_model_preset_is_the_replay_tuned_settings():
   c = sp.SlowPathConfig.for_small_models()
   t = sp.SlowPathConfig.for_tests()
   assert (c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
-          c.calibration_batches) == (1e-3, 4608, 10, 1, 0.5, 6)
+          c.calibration_batches, c.step_chunks) == (1e-3, 4608, 10, 1, 0.5, 6, 12)
+  assert sp.step_groups(c, c.per_head(3)).shape == (2, 12)  # half of the 24 chunks per step
   assert (c.min_records, c.cooldown_batches, c.chunk_size) == (t.min_records, t.cooldown_batches,
                                                               t.chunk_size)
   assert sp.SlowPathConfig.for_small_models(mode="off", refresh_steps=3).refresh_steps == 3
   a = load_script("bench_adaptation.py").parse([])
   assert (a.slow_lr, a.slow_reservoir, a.slow_steps, a.slow_check_every, a.slow_z,
-          a.calibration, a.slow_budget) == (c.learning_rate, c.reservoir_size, c.refresh_steps,
-                                            c.check_every, c.z_threshold, c.calibration_batches,
-                                            c.time_budget)
+          a.calibration, a.slow_budget, a.slow_step_chunks) == (
+              c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
+              c.calibration_batches, c.time_budget, c.step_chunks)
 
 
 def test_main_job_slow_path_settings(tmp_path):
