@@ -234,11 +234,28 @@ def resolve_proposer(spec: SpecConfig | None, heads, proposer: Proposer | None,
     raise ValueError("proposer_params is set but proposer is None")
   if heads is not None:
     spec = spec or SpecConfig(num_heads=heads.num_heads)
+    from specroll_jax import head_kinds
+    if head_kinds.is_conditioned(heads):  # root-conditioned heads: the ranked expansion
+      return spec, *ranked_heads_proposer(spec, heads)
     return spec, HeadsProposer(num_heads=spec.num_heads, topk=spec.topk), heads
   if spec is not None:
     raise ValueError("spec is set but neither heads nor proposer is; pass heads=heads.init(...) "
                      "or fitted heads, or a proposer")
   return None, None, None
+
+
+def ranked_heads_proposer(spec: SpecConfig, heads):
+  """(``RankedHeads``, its parameters) for root-conditioned ``heads`` (``cond_heads.CondHeads``)
+  under ``spec``'s tree settings: ``spec.topk`` candidates per depth, the best 2 partial paths
+  extended below depth 1 (``ReflexConfig``'s default beams), at most ``spec.max_nodes`` nodes;
+  acceptance scored by the uncalibrated table (each bin's own q)."""
+  from specroll_jax.proposers.ranked_heads import RankedHeads
+  if heads.num_heads != spec.num_heads:
+    raise ValueError(f"heads has {heads.num_heads} heads but spec.num_heads={spec.num_heads}; "
+                     f"pass SpecConfig(num_heads={heads.num_heads}, ...)")
+  rh = RankedHeads(num_heads=spec.num_heads, topk=spec.topk,
+                   beams=(1,) + (2,) * (spec.num_heads - 1), max_nodes=spec.max_nodes)
+  return rh, rh.params(heads)
 
 
 def check_adaptation(adaptation, *, heads=None, proposer=None, proposer_params=None) -> None:
@@ -271,7 +288,9 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   eos_ids: ids that end a response (default: the config's); the EOS itself is part of the response.
   proposer, proposer_params: run the speculative engine with any ``proposers.Proposer`` (same tokens
     as vanilla). ``spec=SpecConfig(...)`` with ``heads=h`` is shorthand for
-    ``proposer=HeadsProposer(spec.num_heads, spec.topk), proposer_params=h``.
+    ``proposer=HeadsProposer(spec.num_heads, spec.topk), proposer_params=h`` for Medusa heads
+    (``heads.Heads``), and for ``RankedHeads`` (``ranked_heads_proposer``) for root-conditioned
+    heads (``cond_heads.CondHeads``).
   kernels: "auto" (Pallas on GPU/TPU, jnp references on CPU), "reference", "pallas",
     "pallas_interpret", or a ``Kernels``; resolved once here.
   return_hidden: also return the pre-norm hidden state at the anchor of each response token

@@ -90,6 +90,10 @@ def test_cond_heads_validation(trained_model):
   ch = CH.init(jax.random.key(0), config, 2, width=8)
   with pytest.raises(ValueError, match="heads has 2 heads, expected 3"):
     RankedHeads().validate(config, RankedHeads().params(ch))
+  with pytest.raises(ValueError, match=r"heads has 2 heads but spec.num_heads=3"):
+    rollout.resolve_proposer(SpecConfig(), ch, None, None)
+  prop, _ = rollout.ranked_heads_proposer(SpecConfig(num_heads=2, max_nodes=5), ch)
+  assert (prop.num_heads, prop.topk, prop.beams, prop.max_nodes) == (2, (4, 3), (1, 2), 5)
   with pytest.raises(ValueError, match="acceptance has shape"):
     RankedHeads(num_heads=2, topk=(2, 2), beams=(1, 1)).validate(
         config, RankedHeads(num_heads=2, topk=(2, 2), beams=(1, 1)).params(ch, np.ones((3, 3))))
@@ -127,6 +131,17 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
     assert tested.sum() > 0 and (hit <= tested).all()
     e = st.expected_per_row_step()
     assert e[0] == 0 and (np.diff(e) >= -1e-6).all()  # more nodes: more expected acceptance
+    if prop is rh and pp is not None and pp.heads is ch:
+      explicit = got
+  # generate's heads= shorthand with root-conditioned heads is that RankedHeads proposer: the same
+  # proposer (one compiled program), the same tokens and the same proposals
+  spec_, prop_, pp_ = rollout.resolve_proposer(spec, ch, None, None)
+  assert prop_ == rh and jax.tree.structure(pp_) == jax.tree.structure(rh.params(ch))
+  short = rollout.generate(config, params, prompts, spec=spec, heads=ch, **kw)
+  np.testing.assert_array_equal(np.asarray(short.tokens), np.asarray(ref.tokens))
+  for f in ("tested", "hit"):
+    np.testing.assert_array_equal(np.asarray(getattr(short.stats.spec.proposer, f)),
+                                  np.asarray(getattr(explicit.stats.spec.proposer, f)))
 
 
 @pytest.mark.slow  # about 20 s
