@@ -372,7 +372,7 @@ def _replay_setting():
   cfg = SP.SlowPathConfig.for_small_models()
   per_head = cfg.per_head(3)
   groups = SP.step_groups(cfg, per_head)
-  share = 1.0 if groups is None else groups.shape[1] / -(-per_head // cfg.chunk_size)
+  share = 1.0 if groups is None else groups.shape[1] / np.unique(groups).size  # of every chunk
   return per_head, cfg.refresh_steps, share
 
 

@@ -187,7 +187,8 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   """
   tx, clip = optimizer(cfg), optax.clip_by_global_norm(cfg.clip_norm)
   c = reservoir.capacity
-  held = jnp.asarray(holdout_slots(cfg, c))[None] & reservoir.valid  # [K, C]
+  held_slot = holdout_slots(cfg, c)  # [C] static
+  held = jnp.asarray(held_slot)[None] & reservoir.valid  # [K, C]
   train = ~held & reservoir.valid
   n_train = train.sum(1).astype(jnp.float32)
   trained = mask & (n_train > 0)
@@ -240,9 +241,9 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
 
   nan = jnp.full((heads.num_heads,), jnp.nan, jnp.float32)
   new_heads, new_opt, loss = jax.lax.fori_loop(0, num_steps, step, (heads, opt_state, nan))
-  held_slots = np.nonzero(holdout_slots(cfg, c))[0]  # the "after" evaluation reads only these
+  # the "after" evaluation reads only the held-out slots
   after = _forward(cfg, model_config, params, new_heads, reservoir, held, False, trained,
-                   slots=held_slots)[0]
+                   slots=np.flatnonzero(held_slot))[0]
   keep = keep_rule(cfg, trained, before, after)
   return (_select(keep, new_heads, heads), _select(keep, new_opt, opt_state),
           RefreshResult(trained=trained, keep=keep, before=before, after=after,
