@@ -460,6 +460,8 @@ def test_bad_input_raises_value_error_naming_it(tiny):
     sp.SlowPathConfig(mode="sometimes")
   with pytest.raises(ValueError, match="patience must be an int >= 1"):
     sp.SlowPathConfig(patience=0)
+  with pytest.raises(ValueError, match="step_chunks must be an int >= 0, got -1"):
+    sp.SlowPathConfig(step_chunks=-1)
   with pytest.raises(ValueError, match="signal must be one of"):
     sp.SlowPathConfig(signal="kl")
   with pytest.raises(ValueError, match="reservoir_size"):
