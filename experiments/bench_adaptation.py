@@ -169,6 +169,9 @@ def parse(argv):
   ap.add_argument("--slow-step-chunks", type=int, default=_SMALL.step_chunks,
                   help="reservoir chunks per optimiser step (0: full batch; SlowPathConfig."
                        "step_chunks)")
+  ap.add_argument("--slow-refresh-budget", type=float, default=_SMALL.degradation_budget,
+                  help="degradation mode: refresh seconds as a share of rollout seconds at most, "
+                       "0 = no cap (SlowPathConfig.degradation_budget)")
   ap.add_argument("--slow-check-every", type=int, default=_SMALL.check_every,
                   help="slow-path batches per monitor check (records pooled over them)")
   ap.add_argument("--slow-budget", type=float, default=_SMALL.time_budget,
@@ -232,6 +235,8 @@ def parse(argv):
     cli.fail("--grpo-lr", a.grpo_lr, "must be a finite number > 0")
   if not 0 <= a.slow_budget < float("inf"):
     cli.fail("--slow-budget", a.slow_budget, "must be a finite number >= 0")
+  if not 0 <= a.slow_refresh_budget < float("inf"):
+    cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
   if not -1 <= a.slow_acc_drop <= 1:
     cli.fail("--slow-acc-drop", a.slow_acc_drop, "must be a number in [-1, 1]")
   for flag in ("reflex_stride_rows", "trainer_stride_rows"):
@@ -481,6 +486,7 @@ def slow_config(a, mode: str) -> SP.SlowPathConfig:
   return SP.SlowPathConfig.for_tests(mode=mode, learning_rate=a.slow_lr,
                                      reservoir_size=a.slow_reservoir, refresh_steps=a.slow_steps,
                                      step_chunks=a.slow_step_chunks,
+                                     degradation_budget=a.slow_refresh_budget,
                                      check_every=a.slow_check_every, z_threshold=a.slow_z,
                                      scheduled_steps=a.slow_steps, time_budget=a.slow_budget,
                                      acceptance_drop=a.slow_acc_drop, signal=a.slow_signal,

@@ -112,6 +112,10 @@ def parse(argv):
   ap.add_argument("--slow-step-chunks", type=int, default=None,
                   help="slow-path reservoir chunks per optimiser step, 0 = full batch (default: "
                        "the slow-path preset's; SlowPathConfig.step_chunks)")
+  ap.add_argument("--slow-refresh-budget", type=float, default=None,
+                  help="degradation mode: refresh seconds as a share of rollout seconds at most, "
+                       "0 = no cap (default: the slow-path preset's; "
+                       "SlowPathConfig.degradation_budget)")
   ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
   ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
   ap.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES))
@@ -133,6 +137,8 @@ def parse(argv):
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
               beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0,
               trainer_anchors=1, slow_step_chunks=0)
+  if a.slow_refresh_budget is not None and not 0 <= a.slow_refresh_budget < float("inf"):
+    cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
   if a.reflex_sleep > 0 and a.slow_records == "rollout" and a.slow_path != "off":
     cli.fail("--reflex-sleep", a.reflex_sleep, "needs --slow-records trainer or --slow-path off "
              "(a sleeping Reflex records nothing for the slow path)")
@@ -202,6 +208,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
     slow = SP.SlowPathConfig.for_small_models(mode=a.slow_path)
   if a.slow_step_chunks is not None:
     slow = slow.replace(step_chunks=a.slow_step_chunks)
+  if a.slow_refresh_budget is not None:
+    slow = slow.replace(degradation_budget=a.slow_refresh_budget)
   reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep)
   if a.slow_records == "trainer":  # the decode loop records nothing
     reflex = dataclasses.replace(reflex, record_capacity=0)

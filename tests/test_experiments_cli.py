@@ -44,6 +44,8 @@ CASES = [
     ("gsm8k.py", ["--trainer-anchors", "0"], "--trainer-anchors"),
     ("gsm8k.py", ["--slow-step-chunks", "-1"], "--slow-step-chunks"),
     ("bench_adaptation.py", ["--slow-step-chunks", "-2"], "--slow-step-chunks"),
+    ("gsm8k.py", ["--slow-refresh-budget", "inf"], "--slow-refresh-budget"),
+    ("bench_adaptation.py", ["--slow-refresh-budget", "-0.1"], "--slow-refresh-budget"),
     ("gsm8k.py", ["--steps", "many"], "--steps"),
     ("gsm8k.py", ["--resume"], "--resume"),
     ("gsm8k.py", ["--coordinator", "127.0.0.1:1234"], "--num-processes"),

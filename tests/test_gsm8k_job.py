@@ -72,6 +72,11 @@ def test_one_step_end_to_end(job_model, tmp_path):
       assert [r["slow"]["decision"] for r in recs] == ["every_batch"] * 2
       assert all(r["slow"]["heads"] == [0, 1, 2] for r in recs)  # on the trainer's records
       assert all(r["adaptation_seconds"] > 0 for r in recs)
+      for r in recs:  # where the adaptation's host seconds went: the parts add up to them
+        split = r["adaptation_split_seconds"]
+        assert set(split) == {"after_rollout", "records", "monitor", "refresh"}
+        assert split["records"] > 0 and split["refresh"] > 0 and min(split.values()) >= 0
+        assert sum(split.values()) == pytest.approx(r["adaptation_seconds"], rel=1e-6, abs=1e-9)
     held = summary["table"][kind]["held_out"]
     assert 0 <= held["before"] <= 1 and 0 <= held["after"] <= 1
   assert (out / "gsm8k.png").stat().st_size > 10_000

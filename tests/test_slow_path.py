@@ -93,9 +93,11 @@ MON_CFG = sp.SlowPathConfig.for_tests(calibration_batches=10, check_every=2, min
                                       patience=2, cooldown_batches=6)
 
 
-def run_monitor(cfg, shifts, n_batches, records=20, seed=0, noise=0.02):
+def run_monitor(cfg, shifts, n_batches, records=20, seed=0, noise=0.02, refresh_cost=0.0):
   """Feed synthetic per-batch stats: TV 0.3 and acceptance 0.6 plus N(0, noise) per head, plus
-  ``shifts(b) -> (dtv [K], dacc [K])`` at batch b (1-based). Returns per batch (reason, refresh)."""
+  ``shifts(b) -> (dtv [K], dacc [K])`` at batch b (1-based), 1 s of rollout per batch; a refresh
+  is charged ``refresh_cost`` seconds (as ``after_batch`` commits it). Returns per batch (reason,
+  refresh)."""
   rng = np.random.default_rng(seed)
   upd = jax.jit(sp.monitor_update, static_argnums=0)
   m, out = sp.monitor_init(cfg, K), []
@@ -106,6 +108,9 @@ def run_monitor(cfg, shifts, n_batches, records=20, seed=0, noise=0.02):
     m, d = upd(cfg, m, jnp.asarray(tv, jnp.float32), jnp.asarray(acc, jnp.float32),
                jnp.full((K,), records, jnp.float32), jnp.float32(1.0))
     out.append((sp.REASONS[int(d.reason)], np.asarray(d.refresh)))
+    if out[-1][1].any():
+      m = m.replace(refresh_seconds=m.refresh_seconds + refresh_cost,
+                    last_refresh_seconds=jnp.float32(refresh_cost))
   return m, out
 
 
@@ -129,6 +134,29 @@ def test_monitor_fires_on_sustained_degradation_worst_two_heads_after_patience_w
   gaps = np.diff([b for b, _ in f])
   assert len(f) >= 3 and (gaps >= MON_CFG.cooldown_batches).all(), f
   assert "cooldown" in reasons[14:20]
+
+
+def test_monitor_degradation_budget_bounds_the_refresh_share_and_fires_once_it_fits():
+  """degradation_budget: a refresh fires only while the refresh seconds so far plus the last
+  refresh's fit in the budget's share of the rollout seconds so far; over budget the decision
+  says so and the heads keep their degraded checks, firing at the first check that fits."""
+  _, free = run_monitor(MON_CFG, sustained(), 60, refresh_cost=4.0)
+  cfg = MON_CFG.replace(degradation_budget=0.25)
+  _, out = run_monitor(cfg, sustained(), 60, refresh_cost=4.0)
+  f, f_free = fires(out), fires(free)
+  assert f[0] == f_free[0] == (14, [1, 2])  # the first refresh always fits
+  assert len(f) < len(f_free), (f, f_free)
+  for i, (b, _) in enumerate(f):  # before each refresh: 4 s x (refreshes so far + 1) <= 0.25 b
+    assert i == 0 or 4.0 * (i + 1) <= 0.25 * b, f
+  reasons = [r for r, _ in out]
+  assert "over_budget" in reasons and "over_budget" not in [r for r, _ in free]
+  # the fire after an over-budget stretch comes at the first check the budget allows: batch 32
+  # (8 s <= 0.25 x 32), a check batch, with the degraded checks kept through the wait
+  assert f[1][0] == 32 and reasons[31] == "sustained_degradation"
+  assert all(reasons[b - 1] == "over_budget" for b in range(22, 32, 2)), reasons[20:32]
+  _, same = run_monitor(MON_CFG.replace(degradation_budget=0.0), sustained(), 60,
+                        refresh_cost=4.0)
+  assert fires(same) == f_free  # 0: no cap
 
 
 @pytest.mark.parametrize("patience", [1, 3])

@@ -381,6 +381,7 @@ class Run:
     report = out.adaptation_report or {}
     adapt_s = float(report.get("adaptation_seconds", 0.0))
     trainer_s = 0.0  # records from the train step's forward + the slow path (records="trainer")
+    records_s = 0.0  # of which the records
     if out.adaptation is not None:
       self.adapt = jax.device_put(out.adaptation, self.replicated)
     t0 = time.perf_counter()
@@ -398,7 +399,8 @@ class Run:
     t_train = time.perf_counter() - t0
     if self.trainer_records:  # the slow path on the train step's own forward (params: before it)
       t0 = time.perf_counter()
-      recs = self._records(before, b, res[2], self.adapt, k)
+      recs = jax.block_until_ready(self._records(before, b, res[2], self.adapt, k))
+      records_s = time.perf_counter() - t0
       adapt, trainer_report = _adapt.after_trainer(self.adapt, self.config, before, recs, report)
       self.adapt = jax.device_put(adapt, self.replicated)
       report = {**report, "slow": trainer_report}
@@ -433,6 +435,15 @@ class Run:
       slow = report.get("slow") or {}
       rec["slow"] = {key: slow.get(key) for key in ("decision", "heads", "kept", "rolled_back",
                                                      "refresh_seconds", "compile_seconds")}
+      refresh_s = float(slow.get("refresh_seconds") or 0.0)
+      # where the adaptation's host seconds went: the rollout side (Reflex's end of batch, and
+      # the slow path there with records="rollout"), the trainer's records, the slow path's
+      # monitor (and merge) and its refreshes
+      tr = self.trainer_records
+      rec["adaptation_split_seconds"] = {
+          "after_rollout": adapt_s if tr else max(adapt_s - refresh_s, 0.0), "records": records_s,
+          "monitor": max(trainer_s - records_s - refresh_s, 0.0) if tr else 0.0,
+          "refresh": refresh_s}
     if run.eval_every and (k + 1) % run.eval_every == 0:
       rec["eval_accuracy"] = self.evaluate()
     if self.writer:

@@ -109,17 +109,19 @@ def _observe(cfg, state: SlowPathState, batch: Records, acceptance, rollout_seco
 _observe_jit = jax.jit(_observe, static_argnums=0)
 
 
-def _commit(state: SlowPathState, res: RefreshResult, seconds):
+def _commit(state: SlowPathState, r: RefreshResult, seconds: float) -> SlowPathState:
+  """The refresh's counters and seconds into the state, on the host (``r``: the refresh's result
+  fetched with ``jax.device_get``): a handful of scalars, so no program to compile inside the
+  timed part of the loop (a jitted commit compiled at the first refresh)."""
   m = state.monitor
-  seconds = jnp.asarray(seconds, jnp.float32)
-  i32 = lambda x: x.astype(jnp.int32)
+  trained, keep = np.asarray(r.trained, bool), np.asarray(r.keep, bool)
+  add = lambda x, y: jnp.asarray(np.asarray(x) + y.astype(np.int32))
+  total = np.float32(np.asarray(m.refresh_seconds) + np.float32(seconds))
   return state.replace(
-      tried=state.tried + i32(res.trained), kept=state.kept + i32(res.keep),
-      rolled_back=state.rolled_back + i32(res.trained & ~res.keep),
-      monitor=m.replace(refresh_seconds=m.refresh_seconds + seconds, last_refresh_seconds=seconds))
-
-
-_commit_jit = jax.jit(_commit)
+      tried=add(state.tried, trained), kept=add(state.kept, keep),
+      rolled_back=add(state.rolled_back, trained & ~keep),
+      monitor=m.replace(refresh_seconds=jnp.asarray(total),
+                        last_refresh_seconds=jnp.asarray(np.float32(seconds))))
 
 
 def _check_inputs(cfg, state, model_config, heads, batch, acceptance, rollout_seconds):
@@ -199,8 +201,8 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   t0 = time.perf_counter()
   new_heads, opt_state, res = jax.block_until_ready(compiled(*args))
   seconds = time.perf_counter() - t0
-  state = _commit_jit(state.replace(opt_state=opt_state), res, np.float32(seconds))
   r = jax.device_get(res)
+  state = _commit(state.replace(opt_state=opt_state), r, seconds)
   ks = [int(k) for k in np.flatnonzero(r.trained)]
   report.update(
       heads=ks, kept=[k for k in ks if r.keep[k]], rolled_back=[k for k in ks if not r.keep[k]],

@@ -49,6 +49,12 @@ class SlowPathConfig:
   scheduled_min_records, scheduled_min_batches, scheduled_steps, time_budget: mode "scheduled"
     (records summed over heads; budget = cumulative refresh seconds (excluding compilation) plus the
     last refresh's cost, over cumulative rollout seconds).
+  degradation_budget: mode "degradation"'s cap on refresh time (0, the default: none). A firing
+    head refreshes only while the refresh seconds so far plus the last refresh's fit in this share
+    of the rollout seconds so far (``time_budget``'s rule; the first refresh always fits); else
+    the decision is "over_budget" and the head keeps its count of degraded checks, so it fires at
+    the first degraded check the budget allows. Bounds the refreshes' share of rollout time on any
+    machine, at the price of later refreshes where they cost more than the budget earns.
   refresh_steps: optimiser steps per refresh ("degradation", "every_batch"); each step is a full
     batch over the head's training records.
   distill_weight, token_weight, proximal_weight: loss = distill * CE(p on S + tail bucket) +
@@ -87,6 +93,7 @@ class SlowPathConfig:
   scheduled_min_batches: int = 8
   scheduled_steps: int = 1
   time_budget: float = 0.015
+  degradation_budget: float = 0.0
   refresh_steps: int = 2
   distill_weight: float = 0.7
   token_weight: float = 0.3
@@ -121,6 +128,7 @@ class SlowPathConfig:
     check_float(self, "z_threshold", -math.inf)
     check_float(self, "acceptance_drop", -1.0, 1.0)
     check_float(self, "time_budget", 0.0)
+    check_float(self, "degradation_budget", 0.0)
     for name in ("distill_weight", "token_weight", "proximal_weight", "weight_decay",
                  "temperature"):
       check_float(self, name, 0.0)

@@ -107,14 +107,21 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
                        jnp.where(due, _R["over_budget"], _R["schedule_wait"])).astype(jnp.int32)
   else:
     firing = degraded & (consecutive >= cfg.patience)
-    can = cooldown == 0
+    cool = cooldown == 0
+    if cfg.degradation_budget > 0:
+      in_budget = (m.refresh_seconds + m.last_refresh_seconds
+                   <= cfg.degradation_budget * rollout_total)
+    else:
+      in_budget = jnp.bool_(True)
+    can = cool & in_budget
     score = jnp.where(firing, z_now, -jnp.inf)
     rank = jnp.zeros((k,), jnp.int32).at[jnp.argsort(-score)].set(jnp.arange(k, dtype=jnp.int32))
     refresh = firing & (rank < cfg.max_heads) & can
     reason = jnp.select(
-        [calibrating, ~is_check, firing.any() & can, firing.any(), degraded.any(), checked.any()],
-        [_R["calibrating"], _R["waiting"], _R["sustained_degradation"], _R["cooldown"],
-         _R["degraded"], _R["healthy"]], _R["too_few_records"]).astype(jnp.int32)
+        [calibrating, ~is_check, firing.any() & can, firing.any() & cool, firing.any(),
+         degraded.any(), checked.any()],
+        [_R["calibrating"], _R["waiting"], _R["sustained_degradation"], _R["over_budget"],
+         _R["cooldown"], _R["degraded"], _R["healthy"]], _R["too_few_records"]).astype(jnp.int32)
     consecutive = jnp.where(refresh, 0, consecutive)
     cooldown = jnp.where(refresh.any(), cfg.cooldown_batches, cooldown)
 
