@@ -172,6 +172,9 @@ def parse(argv):
   ap.add_argument("--slow-refresh-budget", type=float, default=_SMALL.degradation_budget,
                   help="degradation mode: refresh seconds as a share of rollout seconds at most, "
                        "0 = no cap (SlowPathConfig.degradation_budget)")
+  ap.add_argument("--slow-selection", choices=SP.SELECTIONS, default=_SMALL.refresh_selection,
+                  help="which heads a firing refreshes: those that fired, or every head degraded "
+                       "at that check (SlowPathConfig.refresh_selection)")
   ap.add_argument("--slow-check-every", type=int, default=_SMALL.check_every,
                   help="slow-path batches per monitor check (records pooled over them)")
   ap.add_argument("--slow-budget", type=float, default=_SMALL.time_budget,
@@ -487,6 +490,7 @@ def slow_config(a, mode: str) -> SP.SlowPathConfig:
                                      reservoir_size=a.slow_reservoir, refresh_steps=a.slow_steps,
                                      step_chunks=a.slow_step_chunks,
                                      degradation_budget=a.slow_refresh_budget,
+                                     refresh_selection=a.slow_selection,
                                      check_every=a.slow_check_every, z_threshold=a.slow_z,
                                      scheduled_steps=a.slow_steps, time_budget=a.slow_budget,
                                      acceptance_drop=a.slow_acc_drop, signal=a.slow_signal,

@@ -159,6 +159,21 @@ def test_monitor_degradation_budget_bounds_the_refresh_share_and_fires_once_it_f
   assert fires(same) == f_free  # 0: no cap
 
 
+def test_monitor_refresh_selection_degraded_takes_a_newly_degraded_head_along():
+  """refresh_selection: head 1 degrades from batch 11 and fires at the check of batch 14; head 0
+  degrades from batch 13, one degraded check short of patience then. "firing" refreshes head 1
+  alone and leaves head 0 for after the cooldown; "degraded" takes head 0 along."""
+  def shifts(b):
+    return (np.array([0.2 * (b >= 13), 0.2 * (b >= 11), 0.0]),
+            np.array([-0.1 * (b >= 13), -0.1 * (b >= 11), 0.0]))
+  _, out = run_monitor(MON_CFG, shifts, 24)
+  assert fires(out)[:2] == [(14, [1]), (20, [0, 1])]  # head 0 waits out the cooldown
+  _, out = run_monitor(MON_CFG.replace(refresh_selection="degraded"), shifts, 24)
+  assert fires(out)[0] == (14, [0, 1])
+  with pytest.raises(ValueError, match="refresh_selection"):
+    sp.SlowPathConfig(refresh_selection="worst")
+
+
 @pytest.mark.parametrize("patience", [1, 3])
 def test_monitor_patience(patience):
   _, out = run_monitor(MON_CFG.replace(patience=patience), sustained(), 18)
@@ -543,16 +558,20 @@ def test_small_model_preset_is_the_replay_tuned_settings():
   c = sp.SlowPathConfig.for_small_models()
   t = sp.SlowPathConfig.for_tests()
   assert (c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
-          c.calibration_batches, c.step_chunks) == (1e-3, 4608, 10, 1, 0.5, 6, 12)
+          c.calibration_batches, c.step_chunks, c.refresh_selection) == (
+              1e-3, 4608, 10, 1, 0.5, 6, 12, "degraded")
+  assert c.degradation_budget == 0.0  # no cap: on the CPU replay a cap halved the recovery
   assert sp.step_groups(c, c.per_head(3)).shape == (2, 12)  # half of the 24 chunks per step
   assert (c.min_records, c.cooldown_batches, c.chunk_size) == (t.min_records, t.cooldown_batches,
                                                               t.chunk_size)
   assert sp.SlowPathConfig.for_small_models(mode="off", refresh_steps=3).refresh_steps == 3
   a = load_script("bench_adaptation.py").parse([])
   assert (a.slow_lr, a.slow_reservoir, a.slow_steps, a.slow_check_every, a.slow_z,
-          a.calibration, a.slow_budget, a.slow_step_chunks) == (
+          a.calibration, a.slow_budget, a.slow_step_chunks, a.slow_selection,
+          a.slow_refresh_budget) == (
               c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
-              c.calibration_batches, c.time_budget, c.step_chunks)
+              c.calibration_batches, c.time_budget, c.step_chunks, c.refresh_selection,
+              c.degradation_budget)
 
 
 def test_main_job_slow_path_settings(tmp_path):

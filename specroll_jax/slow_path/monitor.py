@@ -114,9 +114,10 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
     else:
       in_budget = jnp.bool_(True)
     can = cool & in_budget
-    score = jnp.where(firing, z_now, -jnp.inf)
+    pool = firing if cfg.refresh_selection == "firing" else degraded  # who a firing refreshes
+    score = jnp.where(pool, z_now, -jnp.inf)
     rank = jnp.zeros((k,), jnp.int32).at[jnp.argsort(-score)].set(jnp.arange(k, dtype=jnp.int32))
-    refresh = firing & (rank < cfg.max_heads) & can
+    refresh = pool & (rank < cfg.max_heads) & can & firing.any()
     reason = jnp.select(
         [calibrating, ~is_check, firing.any() & can, firing.any() & cool, firing.any(),
          degraded.any(), checked.any()],
