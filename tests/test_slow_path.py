@@ -422,10 +422,15 @@ def test_mode_off_never_refreshes(tiny):
   assert int(state.reservoir.valid.sum()) == 4 * 16 * K  # records still merged
 
 
-def test_mode_every_batch_refreshes_every_batch_and_compiles_once(tiny, caplog):
+@pytest.mark.parametrize("committed", [False, True])
+def test_mode_every_batch_refreshes_every_batch_and_compiles_once(tiny, caplog, committed):
+  """Also with a state committed to its device (as a loop that places its state holds it): the
+  refresh's commit keeps the state's placement, so the next batch's monitor does not compile."""
   cfg = TRAIN_CFG.replace(mode="every_batch")
   config, params, student, _ = tiny
   state = sp.init(cfg, student, support_size=S, num_candidates=KC)
+  if committed:
+    state = jax.device_put(state, jax.devices()[0])
   heads, reports = student, []
   for i, r in enumerate(batches(tiny, 3)):
     if i == 1:

@@ -109,19 +109,36 @@ def _observe(cfg, state: SlowPathState, batch: Records, acceptance, rollout_seco
 _observe_jit = jax.jit(_observe, static_argnums=0)
 
 
+def _placed_like(new, old):
+  """``new`` with every leaf whose counterpart in ``old`` is committed to a device placed on that
+  leaf's sharding: the refresh's outputs come back uncommitted, and a state (or heads) that
+  changes placement makes the next jitted call on it (the monitor, the rollout) compile again."""
+  def place(x, ref):
+    if isinstance(ref, jax.Array) and ref.committed and (
+        not x.committed or x.sharding != ref.sharding):
+      return jax.device_put(x, ref.sharding)
+    return x
+  return jax.tree.map(place, new, old)
+
+
 def _commit(state: SlowPathState, r: RefreshResult, seconds: float) -> SlowPathState:
   """The refresh's counters and seconds into the state, on the host (``r``: the refresh's result
   fetched with ``jax.device_get``): a handful of scalars, so no program to compile inside the
   timed part of the loop (a jitted commit compiled at the first refresh)."""
   m = state.monitor
   trained, keep = np.asarray(r.trained, bool), np.asarray(r.keep, bool)
-  add = lambda x, y: jnp.asarray(np.asarray(x) + y.astype(np.int32))
-  total = np.float32(np.asarray(m.refresh_seconds) + np.float32(seconds))
+  # each new value placed like the old one (committed to its sharding or not): a change would
+  # make the next jitted call on the state (the monitor's) compile again
+  def like(old, value):
+    value = np.asarray(value, old.dtype)
+    return jax.device_put(value, old.sharding) if old.committed else jnp.asarray(value)
+  add = lambda x, y: like(x, np.asarray(x) + y.astype(np.int32))
   return state.replace(
       tried=add(state.tried, trained), kept=add(state.kept, keep),
       rolled_back=add(state.rolled_back, trained & ~keep),
-      monitor=m.replace(refresh_seconds=jnp.asarray(total),
-                        last_refresh_seconds=jnp.asarray(np.float32(seconds))))
+      monitor=m.replace(
+          refresh_seconds=like(m.refresh_seconds, np.asarray(m.refresh_seconds) + seconds),
+          last_refresh_seconds=like(m.last_refresh_seconds, seconds)))
 
 
 def _check_inputs(cfg, state, model_config, heads, batch, acceptance, rollout_seconds):
@@ -202,7 +219,8 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   new_heads, opt_state, res = jax.block_until_ready(compiled(*args))
   seconds = time.perf_counter() - t0
   r = jax.device_get(res)
-  state = _commit(state.replace(opt_state=opt_state), r, seconds)
+  state = _placed_like(_commit(state.replace(opt_state=opt_state), r, seconds), state)
+  new_heads = _placed_like(new_heads, heads)
   ks = [int(k) for k in np.flatnonzero(r.trained)]
   report.update(
       heads=ks, kept=[k for k in ks if r.keep[k]], rolled_back=[k for k in ks if not r.keep[k]],
