@@ -201,7 +201,10 @@ def parse(argv):
                        "did not pay (ReflexConfig.sleep_batches; 0: never sleeps)")
   ap.add_argument("--calibration", type=int, default=_SMALL.calibration_batches,
                   help="slow-path calibration batches")
-  ap.add_argument("--node-budget", type=int, default=32)
+  ap.add_argument("--node-budget", type=int, default=None,
+                  help="tree nodes per verify forward (default: 32 or one per row of a replayed "
+                       "batch, --prompts x --group, whichever is more; fewer than the rows leave "
+                       "full batches without trees until rows finish)")
   ap.add_argument("--nodes", type=int, default=None,
                   help="nodes per row in every bucket (overrides --node-budget)")
   ap.add_argument("--buckets", type=float, nargs="+", default=None,
@@ -707,7 +710,8 @@ def main(argv=None):
                                         max_new_tokens=a.max_new_tokens, sampling=sampling,
                                         steps=a.ceiling_steps, task=task)
   fractions = rollout.SpecConfig().bucket_fractions if a.buckets is None else tuple(a.buckets)
-  spec = rollout.SpecConfig(node_budget=a.node_budget, bucket_fractions=fractions,
+  budget = max(32, a.prompts * a.group) if a.node_budget is None else a.node_budget
+  spec = rollout.SpecConfig(node_budget=budget, bucket_fractions=fractions,
                             nodes=None if a.nodes is None else (a.nodes,) * len(fractions))
   rcfg = ReflexConfig(topk=spec.topk, conditioned=True, stride_rows=a.reflex_stride_rows)
   batches, width = replay_batches(a, tok, task)
