@@ -124,21 +124,17 @@ def _placed_like(new, old):
 def _commit(state: SlowPathState, r: RefreshResult, seconds: float) -> SlowPathState:
   """The refresh's counters and seconds into the state, on the host (``r``: the refresh's result
   fetched with ``jax.device_get``): a handful of scalars, so no program to compile inside the
-  timed part of the loop (a jitted commit compiled at the first refresh)."""
+  timed part of the loop (a jitted commit compiled at the first refresh). The new leaves are
+  uncommitted; ``after_batch`` places them like the old ones (``_placed_like``)."""
   m = state.monitor
   trained, keep = np.asarray(r.trained, bool), np.asarray(r.keep, bool)
-  # each new value placed like the old one (committed to its sharding or not): a change would
-  # make the next jitted call on the state (the monitor's) compile again
-  def like(old, value):
-    value = np.asarray(value, old.dtype)
-    return jax.device_put(value, old.sharding) if old.committed else jnp.asarray(value)
-  add = lambda x, y: like(x, np.asarray(x) + y.astype(np.int32))
+  add = lambda x, y: jnp.asarray(np.asarray(x) + y.astype(np.int32))
+  f32 = lambda v: jnp.asarray(np.float32(v))
   return state.replace(
       tried=add(state.tried, trained), kept=add(state.kept, keep),
       rolled_back=add(state.rolled_back, trained & ~keep),
-      monitor=m.replace(
-          refresh_seconds=like(m.refresh_seconds, np.asarray(m.refresh_seconds) + seconds),
-          last_refresh_seconds=like(m.last_refresh_seconds, seconds)))
+      monitor=m.replace(refresh_seconds=f32(np.asarray(m.refresh_seconds) + seconds),
+                        last_refresh_seconds=f32(seconds)))
 
 
 def _check_inputs(cfg, state, model_config, heads, batch, acceptance, rollout_seconds):
