@@ -25,12 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specroll_jax import head_kinds
 from specroll_jax import speculative as _spec
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
 from specroll_jax.models.config import ModelConfig
-from specroll_jax.proposers import HeadsProposer, Proposer
+from specroll_jax.proposers import HeadsProposer, Proposer, RankedHeads
 from specroll_jax.results import Rollout, RolloutStats, SpecStats
 from specroll_jax.sampling import SamplingConfig
 from specroll_jax.speculative import speculative_rollout
@@ -234,7 +235,6 @@ def resolve_proposer(spec: SpecConfig | None, heads, proposer: Proposer | None,
     raise ValueError("proposer_params is set but proposer is None")
   if heads is not None:
     spec = spec or SpecConfig(num_heads=heads.num_heads)
-    from specroll_jax import head_kinds
     if head_kinds.is_conditioned(heads):  # root-conditioned heads: the ranked expansion
       return spec, *ranked_heads_proposer(spec, heads)
     return spec, HeadsProposer(num_heads=spec.num_heads, topk=spec.topk), heads
@@ -249,7 +249,6 @@ def ranked_heads_proposer(spec: SpecConfig, heads):
   under ``spec``'s tree settings: ``spec.topk`` candidates per depth, the best 2 partial paths
   extended below depth 1 (``ReflexConfig``'s default beams), at most ``spec.max_nodes`` nodes;
   acceptance scored by the uncalibrated table (each bin's own q)."""
-  from specroll_jax.proposers.ranked_heads import RankedHeads
   if heads.num_heads != spec.num_heads:
     raise ValueError(f"heads has {heads.num_heads} heads but spec.num_heads={spec.num_heads}; "
                      f"pass SpecConfig(num_heads={heads.num_heads}, ...)")

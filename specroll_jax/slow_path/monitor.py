@@ -89,6 +89,10 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
   rollout_total = m.rollout_seconds + jnp.asarray(rollout_seconds, f32)
 
   no = jnp.zeros((k,), bool)
+
+  def within_budget(share):  # the refresh seconds so far plus the last refresh's fit in the share
+    return m.refresh_seconds + m.last_refresh_seconds <= share * rollout_total
+
   steps = cfg.refresh_steps
   if cfg.mode == "off":
     refresh, reason = no, jnp.int32(_R["off"])
@@ -98,9 +102,7 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
     steps = cfg.scheduled_steps
     due = (since_n.sum() >= cfg.scheduled_min_records) & (
         b - m.last_update >= cfg.scheduled_min_batches) & (since_n.sum() > 0)
-    in_budget = (m.refresh_seconds + m.last_refresh_seconds
-                 <= cfg.time_budget * rollout_total)
-    fire = due & in_budget
+    fire = due & within_budget(cfg.time_budget)
     worst = jnp.argmax(jnp.where(since_n > 0, since_tv / jnp.maximum(since_n, 1.0), -jnp.inf))
     refresh = (jnp.arange(k) == worst) & fire
     reason = jnp.where(fire, _R["scheduled"],
@@ -108,12 +110,7 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
   else:
     firing = degraded & (consecutive >= cfg.patience)
     cool = cooldown == 0
-    if cfg.degradation_budget > 0:
-      in_budget = (m.refresh_seconds + m.last_refresh_seconds
-                   <= cfg.degradation_budget * rollout_total)
-    else:
-      in_budget = jnp.bool_(True)
-    can = cool & in_budget
+    can = cool & (within_budget(cfg.degradation_budget) if cfg.degradation_budget > 0 else True)
     pool = firing if cfg.refresh_selection == "firing" else degraded  # who a firing refreshes
     score = jnp.where(pool, z_now, -jnp.inf)
     rank = jnp.zeros((k,), jnp.int32).at[jnp.argsort(-score)].set(jnp.arange(k, dtype=jnp.int32))
