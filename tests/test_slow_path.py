@@ -510,6 +510,10 @@ def test_bad_input_raises_value_error_naming_it(tiny):
     sp.SlowPathConfig(patience=0)
   with pytest.raises(ValueError, match="step_chunks must be an int >= 0, got -1"):
     sp.SlowPathConfig(step_chunks=-1)
+  with pytest.raises(ValueError, match="degradation_budget"):
+    sp.SlowPathConfig(degradation_budget=-0.1)
+  with pytest.raises(ValueError, match="degradation_budget"):
+    sp.SlowPathConfig(degradation_budget=float("nan"))
   with pytest.raises(ValueError, match="signal must be one of"):
     sp.SlowPathConfig(signal="kl")
   with pytest.raises(ValueError, match="reservoir_size"):
