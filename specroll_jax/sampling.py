@@ -31,6 +31,7 @@ from pallas_kernels.counter_hash import (
   uniform_from_bits,
 )
 from pallas_kernels.fused_sampler import fused_sample
+from specroll_jax import _topk
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models import decoder as _dec
 
@@ -107,7 +108,7 @@ def allowed_logits(logits: Float[Array, "*R V"], cfg: SamplingConfig) -> Float[A
     return x
   vocab = x.shape[-1]
   if cfg.top_k and cfg.top_k < vocab:
-    kth = jax.lax.top_k(x, cfg.top_k)[0][..., -1:]
+    kth = _topk.top_k(x, cfg.top_k)[0][..., -1:]  # not a full sort on a CPU (_topk)
     x = jnp.where(x >= kth, x, MASKED_LOGIT)
   if cfg.top_p < 1.0:
     srt = -jnp.sort(-x, axis=-1)  # descending

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from specroll_jax import head_kinds
+from specroll_jax import _topk, head_kinds
 from specroll_jax import records as _records
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
@@ -73,8 +73,8 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
     path = jnp.where(jnp.arange(k)[None] <= i, toks[:, :k], -1)  # [n, K]
     z = head_kinds.output_states(config, params, heads, i, h, path).astype(jnp.float32)
     q = _dec.logits_from_hidden(config, params, z)
-    ids_q = jax.lax.top_k(q, cfg.top)[1]
-    cand = jnp.where(jnp.arange(cmax)[None] < cfg.topk[i], jax.lax.top_k(q, cmax)[1], -1)
+    ids_q, cand = _topk.top_ids(q, cfg.top, cmax)  # one top-k over V, two prefixes
+    cand = jnp.where(jnp.arange(cmax)[None] < cfg.topk[i], cand, -1)
     label = jnp.clip(cols + i + 1, 0, m - 1)
     hl = hidden[rows, label].astype(jnp.float32)
     x = allowed_logits(_dec.logits_from_hidden(config, params, hl), sampling)

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specroll_jax import head_kinds
+from specroll_jax import _topk, head_kinds
 from specroll_jax import records as _records
 from specroll_jax import tree as _tree
 from specroll_jax._vma import vary_like
@@ -180,8 +180,8 @@ class ReflexProposer(Proposer):
     cmax = cfg.max_candidates
     kc = jnp.asarray(cfg.topk)[None, :, None]
     jj = jnp.arange(cmax)[None, None]
-    qtop = jax.lax.top_k(logits, cfg.top)[1]
-    corr_top = jnp.where(jj < kc, jax.lax.top_k(logits, cmax)[1], -1)
+    qtop, corr_top = _topk.top_ids(logits, cfg.top, cmax)  # one top-k over V, two prefixes
+    corr_top = jnp.where(jj < kc, corr_top, -1)
     raw_top = jax.lax.cond(  # the raw head's logits: only when a corrected head is recorded
         (eligible & rnd[:, None]).any(),
         lambda: jnp.where(jj < kc, jax.lax.top_k(_dec.logits_from_hidden(

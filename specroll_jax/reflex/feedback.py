@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from specroll_jax import _topk
 from specroll_jax import records as _records
 from specroll_jax.models import decoder as _dec
 from specroll_jax.records import member as _member
@@ -81,7 +82,7 @@ def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, cor
   miss = in_s & _member(ids, ids_p) & ~in_c
   miss_mass = (p_s * miss).sum(-1)
   xq_c = jnp.where(in_c, xq, jnp.inf)
-  kth = -jax.lax.top_k(-xq_c, min(cfg.weak, ids.shape[-1]))[0][..., -1:]  # weak-th smallest
+  kth = -_topk.top_k(-xq_c, min(cfg.weak, ids.shape[-1]))[0][..., -1:]  # weak-th smallest
   weak = in_c & (xq_c <= kth)
   beta = jnp.where(weak, jax.nn.softmax(jnp.where(weak, xq, -jnp.inf), axis=-1), 0.0)
   beta = jnp.where(weak.any(-1, keepdims=True), beta, 0.0)
