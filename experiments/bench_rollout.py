@@ -28,6 +28,7 @@ def main(argv=None):
   _common.add_shared_flags(ap, out="runs/bench_rollout.json")
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--top-p", type=float, default=1.0)
+  ap.add_argument("--top-k", type=int, default=0, help="sampling top-k (0: none)")
   ap.add_argument("--budgets", type=int, nargs="+", default=[32, 64, 128])
   ap.add_argument("--max-nodes", type=int, default=16)
   ap.add_argument("--repeats", type=int, default=2)
@@ -38,6 +39,8 @@ def main(argv=None):
                              heads_steps=1)
   if not 0 < a.top_p <= 1:
     cli.fail("--top-p", a.top_p, "must be in (0, 1]")
+  if a.top_k < 0:
+    cli.fail("--top-k", a.top_k, "must be >= 0 (0: no top-k)")
   if a.quick:
     a.prompts, a.group, a.max_new_tokens, a.budgets = 2, 4, 48, [32]
     a.repeats, a.heads_steps = 1, 50
@@ -49,7 +52,7 @@ def main(argv=None):
                                 max_new_tokens=a.max_new_tokens)
   ids, _ = pipeline.prompts(tok, "test", a.prompts)
   batch, sids = pipeline.grpo_batch(ids, a.group)
-  cfg = rollout.SamplingConfig(temperature=a.temperature, top_p=a.top_p)
+  cfg = rollout.SamplingConfig(temperature=a.temperature, top_p=a.top_p, top_k=a.top_k)
   kw = dict(sampling=cfg, max_new_tokens=a.max_new_tokens, seed=a.seed, sample_ids=sids,
             eos_ids=tok.eos_ids)
   van, t_van, _ = _common.timed(lambda: rollout.generate(config, params, batch, **kw),
@@ -96,7 +99,7 @@ def _print(rows, a):
   from rich.console import Console
   from rich.table import Table
   t = Table(title=f"rollouts: {a.prompts} prompts x G={a.group}, T={a.temperature}, "
-                  f"top-p={a.top_p}, {a.max_new_tokens} new tokens")
+                  f"top-p={a.top_p}, top-k={a.top_k}, {a.max_new_tokens} new tokens")
   for c in ("engine", "budget", "tau", "target fwd", "seconds", "vs vanilla", "ms/forward",
             "break-even tau", "identical", "head acc.", "buckets (rows,N,steps,s)"):
     t.add_column(c)

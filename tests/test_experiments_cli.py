@@ -13,6 +13,7 @@ CASES = [
     ("device_check.py", ["--budget-s", "-1"], "--budget-s"),
     ("bench_rollout.py", ["--prompts", "0"], "--prompts"),
     ("bench_rollout.py", ["--top-p", "2"], "--top-p"),
+    ("bench_rollout.py", ["--top-k", "-1"], "--top-k"),
     ("bench_engine.py", ["--rounds", "0"], "--rounds"),
     ("bench_engine.py", ["--compare-to", "no-such-ref"], "--compare-to"),
     ("bench_adaptation.py", ["--batches", "1"], "--batches"),
