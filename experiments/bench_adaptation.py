@@ -172,6 +172,9 @@ def parse(argv):
   ap.add_argument("--slow-refresh-budget", type=float, default=_SMALL.degradation_budget,
                   help="degradation mode: refresh seconds as a share of rollout seconds at most, "
                        "0 = no cap (SlowPathConfig.degradation_budget)")
+  ap.add_argument("--slow-refresh-vocab", choices=SP.VOCABS, default=_SMALL.refresh_vocab,
+                  help="the refresh's training softmax: over the full vocabulary, or over each "
+                       "record's support alone (SlowPathConfig.refresh_vocab)")
   ap.add_argument("--slow-selection", choices=SP.SELECTIONS, default=_SMALL.refresh_selection,
                   help="which heads a firing refreshes: those that fired, or every head degraded "
                        "at that check (SlowPathConfig.refresh_selection)")
@@ -494,6 +497,7 @@ def slow_config(a, mode: str) -> SP.SlowPathConfig:
                                      step_chunks=a.slow_step_chunks,
                                      degradation_budget=a.slow_refresh_budget,
                                      refresh_selection=a.slow_selection,
+                                     refresh_vocab=a.slow_refresh_vocab,
                                      check_every=a.slow_check_every, z_threshold=a.slow_z,
                                      scheduled_steps=a.slow_steps, time_budget=a.slow_budget,
                                      acceptance_drop=a.slow_acc_drop, signal=a.slow_signal,

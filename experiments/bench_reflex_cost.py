@@ -326,8 +326,9 @@ SLOW_STEPS = (1, 3)  # refresh steps timed: cost = fixed (3 passes) + steps x pe
 
 def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: int):
   """(names, cases [(fn, args)]): one refresh of head 0 at each of ``SLOW_STEPS`` steps (one
-  compiled program: the step count is traced) and ``trainer_records.from_hidden`` of a 16-row
-  batch of 64 response tokens with ``anchors`` anchors."""
+  compiled program: the step count is traced), ``trainer_records.from_hidden`` of a 16-row
+  batch of 64 response tokens with ``anchors`` anchors, and the refresh again with the
+  support-only objective (``refresh_vocab="support"``)."""
   import jax
   import jax.numpy as jnp
 
@@ -346,11 +347,12 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
                          candidates=rc.max_candidates, seed=seed)
   params = dec.unstack_layers(params)
   mask = jnp.arange(k) == 0  # one head, as the degradation monitor usually names
-  refresh = jax.jit(lambda p, hd, opt, r, n: retrain.refresh(cfg, config, p, hd, opt, r, mask, n))
+  refresh = {v: jax.jit(lambda p, hd, opt, r, n, c=cfg.replace(refresh_vocab=v): retrain.refresh(
+      c, config, p, hd, opt, r, mask, n)) for v in SP.VOCABS}
   names, cases = [], []
   for s in SLOW_STEPS:
     names.append(f"refresh, {s} step{'s' if s > 1 else ''}")
-    cases.append((refresh, (params, heads, state.opt_state, res, jnp.int32(s))))
+    cases.append((refresh["full"], (params, heads, state.opt_state, res, jnp.int32(s))))
   b, m = 16, 64
   kh, kt = jax.random.split(jax.random.key(seed + 1))
   hidden = jax.random.normal(kh, (b, m, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
@@ -362,6 +364,9 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
       num_anchors=anchors)
   names.append(f"trainer records, {anchors} anchors")
   cases.append((build, (params, heads, hidden, tokens, jax.random.key(seed))))
+  for s in SLOW_STEPS:  # the support-only objective (SlowPathConfig.refresh_vocab="support")
+    names.append(f"refresh on the support, {s} step{'s' if s > 1 else ''}")
+    cases.append((refresh["support"], (params, heads, state.opt_state, res, jnp.int32(s))))
   return names, cases
 
 
@@ -382,18 +387,22 @@ def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float
   of the records) scaled linearly in records, each also in verify forwards."""
   replay_records, replay_steps, share = _replay_setting()
   ms = {n: 1e3 * t["s"] for n, t in zip(names, times, strict=True)}
-  r1, r3 = ms[names[0]], ms[names[1]]
-  per_step = (r3 - r1) / (SLOW_STEPS[1] - SLOW_STEPS[0])
-  fixed = r1 - SLOW_STEPS[0] * per_step
-  replay = (fixed + replay_steps * share * per_step) * replay_records / records
+
+  def split(r1, r3):
+    per_step = (r3 - r1) / (SLOW_STEPS[1] - SLOW_STEPS[0])
+    fixed = r1 - SLOW_STEPS[0] * per_step
+    replay = (fixed + replay_steps * share * per_step) * replay_records / records
+    return {"refresh_fixed_ms": fixed, "refresh_per_step_ms": per_step,
+            "replay_refresh": {"records": replay_records, "steps": replay_steps,
+                               "step_share": share, "ms": replay,
+                               "verify_forwards": replay / verify_ms},
+            "refresh_1_step_verify_forwards": r1 / verify_ms}
+
   rec_ms = ms[names[2]]
   return {"records": records, "anchors": anchors, "verify_ms": verify_ms, "measured_ms": ms,
           "compile_s": {n: t["compile_s"] for n, t in zip(names, times, strict=True)},
-          "refresh_fixed_ms": fixed, "refresh_per_step_ms": per_step,
-          "replay_refresh": {"records": replay_records, "steps": replay_steps,
-                             "step_share": share, "ms": replay,
-                             "verify_forwards": replay / verify_ms},
-          "refresh_1_step_verify_forwards": r1 / verify_ms,
+          **split(ms[names[0]], ms[names[1]]),
+          "support": split(ms[names[3]], ms[names[4]]),
           "trainer_records_ms": rec_ms, "trainer_records_verify_forwards": rec_ms / verify_ms,
           "trainer_records_per_anchor_ms": rec_ms / anchors}
 
@@ -463,8 +472,10 @@ def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
   slow = slow_path_rows(snames, st, records=a.refresh_records, anchors=a.trainer_anchors,
                        verify_ms=v0)
   print(f"  slow path: refresh of one head {slow['refresh_fixed_ms']:.1f} ms + "
-        f"{slow['refresh_per_step_ms']:.1f} ms per step ({a.refresh_records} records); trainer "
-        f"records {slow['trainer_records_ms']:.1f} ms ({a.trainer_anchors} anchors)", flush=True)
+        f"{slow['refresh_per_step_ms']:.1f} ms per step ({a.refresh_records} records; on the "
+        f"support {slow['support']['refresh_fixed_ms']:.1f} + "
+        f"{slow['support']['refresh_per_step_ms']:.1f}); trainer records "
+        f"{slow['trainer_records_ms']:.1f} ms ({a.trainer_anchors} anchors)", flush=True)
   return {"label": label, "config": dataclasses.asdict(config), "verify": details,
           "verify_ms": v0, "verify_top16_ms": v16, "layers_note": note, "rows": rows,
           "slow_path": slow}
@@ -582,13 +593,14 @@ def _report(results: list[dict], meta: dict) -> None:
     s.add_column(c, justify="left" if c == "model" else "right")
   for res in results:
     sp = res["slow_path"]
-    rp = sp["replay_refresh"]
-    s.add_row(res["label"], f"{sp['verify_ms']:.2f}", f"{sp['refresh_fixed_ms']:.1f}",
-              f"{sp['refresh_per_step_ms']:.1f}", str(sp["records"]),
-              f"{sp['refresh_1_step_verify_forwards']:.1f}", f"{rp['ms']:.0f}",
-              f"{rp['verify_forwards']:.1f}",
-              f"{sp['trainer_records_ms']:.1f} ({sp['anchors']})",
-              f"{sp['trainer_records_verify_forwards']:.2f}")
+    for vocab, x in (("full vocabulary", sp), ("support only", sp["support"])):
+      rp = x["replay_refresh"]
+      s.add_row(f"{res['label']}, refresh over the {vocab}", f"{sp['verify_ms']:.2f}",
+                f"{x['refresh_fixed_ms']:.1f}", f"{x['refresh_per_step_ms']:.1f}",
+                str(sp["records"]), f"{x['refresh_1_step_verify_forwards']:.1f}",
+                f"{rp['ms']:.0f}", f"{rp['verify_forwards']:.1f}",
+                f"{sp['trainer_records_ms']:.1f} ({sp['anchors']})",
+                f"{sp['trainer_records_verify_forwards']:.2f}")
   con.print(s)
   for res in results:
     if res.get("layers_note"):

@@ -319,6 +319,61 @@ def test_evaluate_matches_a_dense_reference_at_any_chunk_size(tiny):
     assert got.n.tolist() == [128] * K
 
 
+def test_support_only_log_probs_are_the_head_softmax_renormalised_on_the_support(tiny):
+  """refresh_vocab="support": the head's log-probs over each record's support alone equal its
+  full-vocabulary softmax renormalised there (numpy), from |S| unembedding rows; the token's
+  log-prob is its entry there (0 when it is off the support: no gradient), and the tail bucket
+  carries no mass."""
+  from specroll_jax.slow_path import retrain as R
+  config, params, student, teacher = tiny
+  recs = make_records(config, params, teacher, 5, 64)
+  q = np.asarray(_source_logits(config, params, student, recs.hidden), np.float64)
+  q = np.exp(q - q.max(-1, keepdims=True))
+  q /= q.sum(-1, keepdims=True)
+  sup, tok = np.asarray(recs.support), np.asarray(recs.token)
+  used = sup >= 0
+  q_s = np.where(used, np.take_along_axis(q, np.maximum(sup, 0), -1), 0.0)
+  want = np.where(used, np.log(np.maximum(q_s / q_s.sum(-1, keepdims=True), 1e-300)), 0.0)
+  lq_s, lq_tail, lq_tok = jax.jit(functools.partial(R._log_probs, sparse=True),
+                                  static_argnums=(0, 1))(TRAIN_CFG, config, params, student, recs)
+  np.testing.assert_allclose(np.asarray(lq_s), want, rtol=1e-5, atol=1e-6)
+  on = (sup == tok[..., None]) & used
+  assert on.any(-1).mean() > 0.5  # most committed tokens are on the support, as in real records
+  np.testing.assert_allclose(np.asarray(lq_tok), np.where(on, want, 0.0).sum(-1), rtol=1e-5,
+                             atol=1e-6)
+  assert (np.asarray(lq_tail) == R._NO_TAIL).all()  # exp(-100): no mass (and p_tail is zeroed)
+
+
+def test_support_only_refresh_learns_and_its_guard_reads_the_full_vocabulary(tiny, refreshed):
+  """A refresh with the support-only objective is a different run (other gradients) that still
+  learns the fixed target: held-out CE and TV go down and the heads are kept. Its before/after
+  evaluations are the full-vocabulary ones (``evaluate`` on the held-out slots, tail bucket
+  included), so the guard judges both objectives alike; untrained heads stay bit for bit. (Head
+  0 of this fixture is marginal: its TV moves by 1e-3 either way, so heads 1 and 2 train.)"""
+  config, params, student, _ = tiny
+  state, full_heads, _, full = refreshed
+  cfg = TRAIN_CFG.replace(refresh_vocab="support").refresh_settings()
+  mask = jnp.array([False, True, True])
+  heads, opt, res = sp.refresh_jit(cfg, config, params, student, state.opt_state,
+                                   state.reservoir, mask, jnp.int32(2))
+  res = jax.device_get(res)
+  assert res.trained.tolist() == [False, True, True] and res.keep.tolist() == [False, True, True]
+  held = jnp.asarray(sp.holdout_slots(TRAIN_CFG, TRAIN_CFG.per_head(K)))[None] \
+      & state.reservoir.valid
+  ev = jax.jit(sp.evaluate, static_argnums=(0, 1))
+  before = jax.device_get(ev(REFRESH_CFG, config, params, student, state.reservoir, held))
+  after = jax.device_get(ev(REFRESH_CFG, config, params, heads, state.reservoir, held))
+  for k in (1, 2):
+    np.testing.assert_allclose([res.before.ce[k], res.before.tv[k]],
+                               [before.ce[k], before.tv[k]], rtol=1e-5)
+    np.testing.assert_allclose([res.after.ce[k], res.after.tv[k]], [after.ce[k], after.tv[k]],
+                               rtol=1e-5)
+    assert res.after.ce[k] < res.before.ce[k] and res.after.tv[k] < res.before.tv[k]
+  assert not leaves_equal(head_slice(heads, 2), head_slice(full_heads, 2))  # another objective
+  assert leaves_equal(head_slice(heads, 0), head_slice(student, 0))
+  assert leaves_equal(head_slice(opt, 0), head_slice(state.opt_state, 0))
+
+
 def test_after_evaluation_reads_only_the_held_out_slots_and_matches_evaluate(tiny, refreshed):
   config, params, _, _ = tiny
   state, heads, _, res = refreshed
@@ -516,6 +571,8 @@ def test_bad_input_raises_value_error_naming_it(tiny):
     sp.SlowPathConfig(degradation_budget=float("nan"))
   with pytest.raises(ValueError, match="signal must be one of"):
     sp.SlowPathConfig(signal="kl")
+  with pytest.raises(ValueError, match="refresh_vocab must be one of .* got 'top'"):
+    sp.SlowPathConfig(refresh_vocab="top")
   with pytest.raises(ValueError, match="reservoir_size"):
     sp.init(sp.SlowPathConfig(reservoir_size=12), student, support_size=S, num_candidates=KC)
   state = sp.init(MON_CFG, student, support_size=S, num_candidates=KC)
@@ -577,10 +634,10 @@ def test_small_model_preset_is_the_replay_tuned_settings():
   a = load_script("bench_adaptation.py").parse([])
   assert (a.slow_lr, a.slow_reservoir, a.slow_steps, a.slow_check_every, a.slow_z,
           a.calibration, a.slow_budget, a.slow_step_chunks, a.slow_selection,
-          a.slow_refresh_budget) == (
+          a.slow_refresh_budget, a.slow_refresh_vocab) == (
               c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
               c.calibration_batches, c.time_budget, c.step_chunks, c.refresh_selection,
-              c.degradation_budget)
+              c.degradation_budget, c.refresh_vocab)
 
 
 def test_main_job_slow_path_settings(tmp_path):

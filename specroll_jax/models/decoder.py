@@ -315,6 +315,16 @@ def unembedding_for_kernel(config: ModelConfig, params):
   return params["lm_head"]["kernel"], "dv"
 
 
+def unembedding_rows(config: ModelConfig, params, ids) -> Float[Array, "... D"]:
+  """The unembedding vectors [..., D] of token ``ids`` [...] (clipped into the vocabulary): the
+  logit of token v is final_norm(h) . row v, so a distribution over a few ids needs only these."""
+  ids = jnp.clip(ids, 0, config.vocab_size - 1)
+  w, layout = unembedding_for_kernel(config, params)
+  if layout == "vd":
+    return jnp.take(w, ids, axis=0)
+  return jnp.moveaxis(jnp.take(w, ids, axis=1), 0, -1)
+
+
 def final_norm(config: ModelConfig, params, hidden):
   return rms_norm(hidden, params["final_norm"]["scale"], config.rms_norm_eps)
 

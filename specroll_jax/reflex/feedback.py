@@ -26,15 +26,6 @@ def _first_occurrence(ids):
   return (ids >= 0) & ~(same & earlier).any(-1)
 
 
-def _unembed_rows(config, params, ids):
-  """Unembedding vectors W_v [.., D] of ids [..] (ids clipped into range)."""
-  ids = jnp.clip(ids, 0, config.vocab_size - 1)
-  w, layout = _dec.unembedding_for_kernel(config, params)
-  if layout == "vd":
-    return jnp.take(w, ids, axis=0)
-  return jnp.moveaxis(jnp.take(w, ids, axis=1), 0, -1)
-
-
 @flax.struct.dataclass
 class Matured:
   """Feedback computed from records (leaves [.., ...] over records)."""
@@ -66,7 +57,7 @@ def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, cor
   first = _first_occurrence(ids)
   in_s = first & (_member(ids, ids_q) | _member(ids, ids_p) | (ids == token[..., None])
                   | _member(ids, cand))
-  w_rows = _unembed_rows(config, params, ids).astype(jnp.float32)  # [.., U, D]
+  w_rows = _dec.unembedding_rows(config, params, ids).astype(jnp.float32)  # [.., U, D]
   norm_p = _dec.final_norm(config, params, path_hidden).astype(jnp.float32)
   norm_q = _dec.final_norm(config, params, head_out).astype(jnp.float32)
   xp = jnp.einsum("...d,...ud->...u", norm_p, w_rows) * inv_t

@@ -43,7 +43,8 @@ from specroll_jax import records as records_lib
 from specroll_jax.heads import Heads
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.records import Records
-from specroll_jax.slow_path.config import MODES, REASONS, SELECTIONS, SIGNALS, SlowPathConfig
+from specroll_jax.slow_path.config import (
+    MODES, REASONS, SELECTIONS, SIGNALS, VOCABS, SlowPathConfig)
 from specroll_jax.slow_path.monitor import batch_stats, monitor_init, monitor_update
 from specroll_jax.slow_path.retrain import (
   _compiled_refresh,
@@ -226,7 +227,8 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   return state, new_heads, report
 
 
-__all__ = ["MODES", "REASONS", "SELECTIONS", "SIGNALS", "Decision", "Evaluation", "MonitorState",
+__all__ = ["MODES", "REASONS", "SELECTIONS", "SIGNALS", "VOCABS", "Decision", "Evaluation",
+           "MonitorState",
            "RefreshResult", "SlowPathConfig", "SlowPathState", "after_batch", "batch_stats",
            "evaluate", "holdout_slots", "init", "keep_rule", "monitor_init", "monitor_update",
            "optimizer", "refresh", "refresh_compiles", "refresh_jit", "step_groups"]

@@ -10,6 +10,7 @@ from specroll_jax._fields import check_float, check_int
 MODES = ("degradation", "scheduled", "every_batch", "off")
 SIGNALS = ("tv", "regret")
 SELECTIONS = ("firing", "degraded")
+VOCABS = ("full", "support")
 
 # Why the monitor decided what it did (Decision.reason indexes this tuple).
 REASONS = ("off", "calibrating", "waiting", "healthy", "too_few_records", "degraded", "cooldown",
@@ -78,6 +79,14 @@ class SlowPathConfig:
     at least the reservoir's chunks: every chunk, a full-batch step. Fewer: minibatch steps over
     fixed strided groups of chunks (step i takes group i mod G, each group spread over the ring,
     so over time), which divides a step's cost by about chunks / step_chunks.
+  refresh_vocab: the vocabulary the refresh's training steps read. "full" (default): the head's
+    softmax over all V tokens (the support's ids plus a tail bucket for the rest). "support":
+    the head's softmax over each record's support S alone (at most 2 top + 1 + C ids; the
+    record's p is already renormalised on S), so a step needs |S| unembedding rows per record
+    instead of the V x D unembedding: about V / |S| times less work per record (50 on the
+    embedded model, 3700 over Qwen's vocabulary). Mass the head puts off the support is not
+    trained; the guard still judges every refresh over the full vocabulary (held-out CE with the
+    tail bucket, and TV), so a refresh that moved mass off the support is rolled back.
   """
 
   mode: str = "degradation"
@@ -116,6 +125,7 @@ class SlowPathConfig:
   use_correction: bool = False
   chunk_size: int = 256
   step_chunks: int = 0
+  refresh_vocab: str = "full"
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -123,6 +133,9 @@ class SlowPathConfig:
     if self.refresh_selection not in SELECTIONS:
       raise ValueError(f"SlowPathConfig.refresh_selection must be one of {SELECTIONS}, got "
                        f"{self.refresh_selection!r}")
+    if self.refresh_vocab not in VOCABS:
+      raise ValueError(f"SlowPathConfig.refresh_vocab must be one of {VOCABS}, got "
+                       f"{self.refresh_vocab!r}")
     if self.signal not in SIGNALS:
       raise ValueError(f"SlowPathConfig.signal must be one of {SIGNALS}, got {self.signal!r}")
     check_int(self, "reservoir_size", 2)
@@ -196,6 +209,6 @@ class SlowPathConfig:
 _REFRESH_FIELDS = ("holdout_fraction", "distill_weight", "token_weight", "proximal_weight",
                    "learning_rate", "b1", "b2", "eps", "weight_decay", "clip_norm",
                    "keep_ce_ratio", "guard", "temperature", "use_correction", "chunk_size",
-                   "step_chunks")
+                   "step_chunks", "refresh_vocab")
 
 

@@ -66,18 +66,41 @@ def step_groups(cfg: SlowPathConfig, capacity: int) -> np.ndarray | None:
   return (np.arange(g)[:, None] + g * np.arange(k)[None, :]) % nc
 
 
-def _log_probs(cfg, model_config, params, heads, rec: Records, active=None):
+# log-prob of the tail bucket when the softmax is over the support alone (``sparse``): the CE's
+# tail term has p_tail = 0 (``_sparse_records``) and the proximal KL's is exp(-100) x 0 = 0
+_NO_TAIL = -100.0
+
+
+def _support_log_probs(model_config, params, z, r: Records, inv_t):
+  """(log-probs on the support [c, S] (0 where unused), tail [c] (``_NO_TAIL``), committed
+  token [c]) of the head's softmax over each record's support alone: |S| unembedding rows per
+  record, not the V x D unembedding. The token is on the support (``reflex.feedback``)."""
+  used = r.support >= 0
+  rows = _dec.unembedding_rows(model_config, params, jnp.where(used, r.support, 0))  # [c, S, D]
+  normed = _dec.final_norm(model_config, params, z)
+  x = jnp.einsum("cd,csd->cs", normed, rows.astype(normed.dtype)).astype(jnp.float32) * inv_t
+  x = jnp.where(used, x, -jnp.inf)
+  lq_s = jnp.where(used, x - jax.nn.logsumexp(x, axis=-1, keepdims=True), 0.0)
+  tok = jnp.where(used & (r.support == r.token[:, None]), lq_s, 0.0).sum(-1)
+  return lq_s, jnp.full(r.token.shape, _NO_TAIL, jnp.float32), tok
+
+
+def _log_probs(cfg, model_config, params, heads, rec: Records, active=None, sparse=False):
   """Head log-probs on a chunk (leaves [K, c, ...]): on the support [K, c, S] (0 where unused),
   of the tail bucket (everything off the support) [K, c], of the committed token [K, c].
   Root-conditioned heads read each record's path (``rec.path``). ``active`` [K] bool (None: every
   head): a head outside it is skipped (``lax.cond``: no unembedding, no softmax over V) and comes
-  back as zeros, so a refresh of one head of K costs one head's work."""
+  back as zeros, so a refresh of one head of K costs one head's work. ``sparse``: the softmax
+  over the support alone (``SlowPathConfig.refresh_vocab="support"``, :func:`_support_log_probs`;
+  pair it with :func:`_sparse_records` in the terms)."""
   inv_t = 1.0 / cfg.temperature if cfg.temperature > 0 else 1.0
 
   def one(i, r: Records):  # head i on its records r (leaves [c, ...])
     z = head_kinds.output_states(model_config, params, heads, i, r.hidden, r.path)  # [c, D]
     if cfg.use_correction:
       z = z + r.correction.astype(z.dtype)
+    if sparse:
+      return _support_log_probs(model_config, params, z, r, inv_t)
     logits = _dec.logits_from_hidden(model_config, params, z) * inv_t  # [c, V] f32
     v = logits.shape[-1]
     lse = jax.nn.logsumexp(logits, axis=-1)
@@ -116,24 +139,30 @@ def _terms(rec: Records, lq_s, lq_tail, lq_tok):
   return ce, tv, -lq_tok
 
 
+def _sparse_records(rec: Records, sparse: bool) -> Records:
+  """The records as the support-only objective reads them: the target's p on the support (already
+  renormalised there) with no tail mass."""
+  return rec.replace(p_tail=jnp.zeros_like(rec.p_tail)) if sparse else rec
+
+
 def _take(rec: Records, idx) -> Records:
   return jax.tree.map(lambda x: jnp.take(x, idx, axis=1) if x.ndim >= 2 else x, rec)
 
 
 def _forward(cfg, model_config, params, heads: Heads, reservoir: Records, select, keep_terms,
-             active=None, slots=None):
+             active=None, slots=None, sparse=False):
   """Chunked forward of the heads in ``active`` (None: all) over the reservoir's ``slots`` (None:
   every slot): the Evaluation over ``select`` (and valid; NaN for a head outside ``active``) and,
   with ``keep_terms``, the log-probs on the support and tail per chunk ([nc, K, cs, ...]; zeros
-  outside ``active``)."""
+  outside ``active``). ``sparse``: the support-only softmax (its Evaluation is on the support)."""
   idx, inside = _chunks(cfg, reservoir.capacity, slots)
 
   def body(acc, xs):
     i, ok = xs
     rec = _take(reservoir, i)
     w = (jnp.take(select, i, axis=1) & rec.valid & ok).astype(jnp.float32)
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec, active)
-    ce, tv, tok = _terms(rec, lq_s, lq_tail, lq_tok)
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, heads, rec, active, sparse)
+    ce, tv, tok = _terms(_sparse_records(rec, sparse), lq_s, lq_tail, lq_tok)
     acc = jax.tree.map(jnp.add, acc, ((ce * w).sum(1), (tv * w).sum(1), (tok * w).sum(1),
                                       w.sum(1)))
     return acc, ((lq_s, lq_tail) if keep_terms else None)
@@ -192,8 +221,18 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   train = ~held & reservoir.valid
   n_train = train.sum(1).astype(jnp.float32)
   trained = mask & (n_train > 0)
-  # held-out evaluation before, and the pre-refresh head on every record (proximal term)
-  before, old = _forward(cfg, model_config, params, heads, reservoir, held, True, trained)
+  sparse = cfg.refresh_vocab == "support"
+  held_only = np.flatnonzero(held_slot)
+  # held-out evaluation before, and the pre-refresh head on every record (proximal term); with
+  # the support-only objective, the evaluation stays over the full vocabulary (held-out slots
+  # only) and the proximal term is on the support
+  if sparse:
+    before = _forward(cfg, model_config, params, heads, reservoir, held, False, trained,
+                      slots=held_only)[0]
+    old = _forward(cfg, model_config, params, heads, reservoir, held, True, trained,
+                   sparse=True)[1]
+  else:
+    before, old = _forward(cfg, model_config, params, heads, reservoir, held, True, trained)
   idx, inside = _chunks(cfg, c)
   xs = (jnp.asarray(idx), jnp.asarray(inside))
   groups = step_groups(cfg, c)
@@ -201,8 +240,8 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
     per_chunk = (jnp.take(train, jnp.asarray(idx), axis=1) & jnp.asarray(inside)).sum(-1)
 
   def chunk_loss(hd, rec, w, lo_s, lo_tail, weight):
-    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, trained)
-    ce, _, tok = _terms(rec, lq_s, lq_tail, lq_tok)
+    lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, trained, sparse)
+    ce, _, tok = _terms(_sparse_records(rec, sparse), lq_s, lq_tail, lq_tok)
     used = rec.support >= 0
     kl = (jnp.where(used, jnp.exp(lo_s) * (lo_s - lq_s), 0.0).sum(-1)
           + jnp.exp(lo_tail) * (lo_tail - lq_tail))
@@ -243,7 +282,7 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
   new_heads, new_opt, loss = jax.lax.fori_loop(0, num_steps, step, (heads, opt_state, nan))
   # the "after" evaluation reads only the held-out slots
   after = _forward(cfg, model_config, params, new_heads, reservoir, held, False, trained,
-                   slots=np.flatnonzero(held_slot))[0]
+                   slots=held_only)[0]
   keep = keep_rule(cfg, trained, before, after)
   return (_select(keep, new_heads, heads), _select(keep, new_opt, opt_state),
           RefreshResult(trained=trained, keep=keep, before=before, after=after,
