@@ -116,6 +116,10 @@ def parse(argv):
                   help="degradation mode: refresh seconds as a share of rollout seconds at most, "
                        "0 = no cap (default: the slow-path preset's; "
                        "SlowPathConfig.degradation_budget)")
+  ap.add_argument("--slow-refresh-vocab", choices=list(SP.VOCABS), default=None,
+                  help="the refresh's training softmax: the full vocabulary or each record's "
+                       "support alone (default: the slow-path preset's; "
+                       "SlowPathConfig.refresh_vocab)")
   ap.add_argument("--no-compare", action="store_true", help="skip the vanilla comparison run")
   ap.add_argument("--eval-every", type=int, default=0, help="greedy test accuracy every n steps")
   ap.add_argument("--kernels", default="auto", choices=list(KERNEL_CHOICES))
@@ -210,6 +214,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
     slow = slow.replace(step_chunks=a.slow_step_chunks)
   if a.slow_refresh_budget is not None:
     slow = slow.replace(degradation_budget=a.slow_refresh_budget)
+  if a.slow_refresh_vocab is not None:
+    slow = slow.replace(refresh_vocab=a.slow_refresh_vocab)
   reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep)
   if a.slow_records == "trainer":  # the decode loop records nothing
     reflex = dataclasses.replace(reflex, record_capacity=0)

@@ -624,8 +624,8 @@ def test_small_model_preset_is_the_replay_tuned_settings():
   c = sp.SlowPathConfig.for_small_models()
   t = sp.SlowPathConfig.for_tests()
   assert (c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
-          c.calibration_batches, c.step_chunks, c.refresh_selection) == (
-              1e-3, 4608, 10, 1, 0.5, 6, 12, "degraded")
+          c.calibration_batches, c.step_chunks, c.refresh_selection, c.refresh_vocab) == (
+              1e-3, 4608, 10, 1, 0.5, 6, 12, "degraded", "support")
   assert c.degradation_budget == 0.0  # no cap: on the CPU replay a cap halved the recovery
   assert sp.step_groups(c, c.per_head(3)).shape == (2, 12)  # half of the 24 chunks per step
   assert (c.min_records, c.cooldown_batches, c.chunk_size) == (t.min_records, t.cooldown_batches,
@@ -651,3 +651,6 @@ def test_main_job_slow_path_settings(tmp_path):
   assert cfg.adaptation.records == "trainer" and cfg.adaptation.trainer_anchors == 64
   cfg = mod.run_config(mod.parse(["--model", str(tmp_path)]), rollout_kind="specroll")
   assert cfg.adaptation.slow == sp.SlowPathConfig()
+  cfg = mod.run_config(mod.parse(["--model", str(tmp_path), "--slow-refresh-vocab", "support"]),
+                       rollout_kind="specroll")
+  assert cfg.adaptation.slow == sp.SlowPathConfig(refresh_vocab="support")
