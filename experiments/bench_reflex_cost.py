@@ -347,8 +347,11 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
                          candidates=rc.max_candidates, seed=seed)
   params = dec.unstack_layers(params)
   mask = jnp.arange(k) == 0  # one head, as the degradation monitor usually names
-  refresh = {v: jax.jit(lambda p, hd, opt, r, n, c=cfg.replace(refresh_vocab=v): retrain.refresh(
-      c, config, p, hd, opt, r, mask, n)) for v in SP.VOCABS}
+
+  def refresh_fn(c):
+    return jax.jit(lambda p, hd, opt, r, n: retrain.refresh(c, config, p, hd, opt, r, mask, n))
+
+  refresh = {v: refresh_fn(cfg.replace(refresh_vocab=v)) for v in SP.VOCABS}
   names, cases = [], []
   for s in SLOW_STEPS:
     names.append(f"refresh, {s} step{'s' if s > 1 else ''}")

@@ -44,7 +44,13 @@ from specroll_jax.heads import Heads
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.records import Records
 from specroll_jax.slow_path.config import (
-    MODES, REASONS, SELECTIONS, SIGNALS, VOCABS, SlowPathConfig)
+  MODES,
+  REASONS,
+  SELECTIONS,
+  SIGNALS,
+  VOCABS,
+  SlowPathConfig,
+)
 from specroll_jax.slow_path.monitor import batch_stats, monitor_init, monitor_update
 from specroll_jax.slow_path.retrain import (
   _compiled_refresh,
