@@ -372,6 +372,13 @@ def test_support_only_refresh_learns_and_its_guard_reads_the_full_vocabulary(tin
   assert not leaves_equal(head_slice(heads, 2), head_slice(full_heads, 2))  # another objective
   assert leaves_equal(head_slice(heads, 0), head_slice(student, 0))
   assert leaves_equal(head_slice(opt, 0), head_slice(state.opt_state, 0))
+  # a reservoir still half empty (slots with no support ids, weight 0): finite heads, kept
+  half = fill(sp.init(TRAIN_CFG, student, support_size=S, num_candidates=KC),
+              make_records(config, params, tiny[3], 0, TRAIN_CFG.per_head(K) // 2))
+  heads, _, res = sp.refresh_jit(cfg, config, params, student, half.opt_state, half.reservoir,
+                                 mask, jnp.int32(2))
+  assert all(bool(jnp.isfinite(x).all()) for x in jax.tree.leaves(heads))
+  assert jax.device_get(res.keep).tolist() == [False, True, True]
 
 
 def test_after_evaluation_reads_only_the_held_out_slots_and_matches_evaluate(tiny, refreshed):

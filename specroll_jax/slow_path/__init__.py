@@ -234,7 +234,7 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
 
 
 __all__ = ["MODES", "REASONS", "SELECTIONS", "SIGNALS", "VOCABS", "Decision", "Evaluation",
-           "MonitorState",
-           "RefreshResult", "SlowPathConfig", "SlowPathState", "after_batch", "batch_stats",
-           "evaluate", "holdout_slots", "init", "keep_rule", "monitor_init", "monitor_update",
-           "optimizer", "refresh", "refresh_compiles", "refresh_jit", "step_groups"]
+           "MonitorState", "RefreshResult", "SlowPathConfig", "SlowPathState", "after_batch",
+           "batch_stats", "evaluate", "holdout_slots", "init", "keep_rule", "monitor_init",
+           "monitor_update", "optimizer", "refresh", "refresh_compiles", "refresh_jit",
+           "step_groups"]

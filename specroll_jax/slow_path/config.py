@@ -83,8 +83,10 @@ class SlowPathConfig:
     softmax over all V tokens (the support's ids plus a tail bucket for the rest). "support":
     the head's softmax over each record's support S alone (at most 2 top + 1 + C ids; the
     record's p is already renormalised on S), so a step needs |S| unembedding rows per record
-    instead of the V x D unembedding: about V / |S| times less work per record (50 on the
-    embedded model, 3700 over Qwen's vocabulary). Mass the head puts off the support is not
+    instead of the V x D unembedding: V / |S| times less unembedding work (50 on the embedded
+    model, 3700 over Qwen's vocabulary; the head's own work stays). Measured, a refresh costs
+    7.6 times less at the Qwen2.5-1.5B shape and a fifth less on the embedded model
+    (docs/benchmarks.md, session 34). Mass the head puts off the support is not
     trained; the guard still judges every refresh over the full vocabulary (held-out CE with the
     tail bucket, and TV), so a refresh that moved mass off the support is rolled back.
   """

@@ -79,7 +79,8 @@ def _support_log_probs(model_config, params, z, r: Records, inv_t):
   rows = _dec.unembedding_rows(model_config, params, jnp.where(used, r.support, 0))  # [c, S, D]
   normed = _dec.final_norm(model_config, params, z)
   x = jnp.einsum("cd,csd->cs", normed, rows.astype(normed.dtype)).astype(jnp.float32) * inv_t
-  x = jnp.where(used, x, -jnp.inf)
+  # the full path's finite mask: an empty slot (no id on its support, weight 0) stays finite
+  x = jnp.where(used, x, MASKED_LOGIT)
   lq_s = jnp.where(used, x - jax.nn.logsumexp(x, axis=-1, keepdims=True), 0.0)
   tok = jnp.where(used & (r.support == r.token[:, None]), lq_s, 0.0).sum(-1)
   return lq_s, jnp.full(r.token.shape, _NO_TAIL, jnp.float32), tok
