@@ -20,10 +20,13 @@ For each model, at the same B rows and N tree nodes per row:
 (c) the heads' own proposal cost: the static proposer's time in (b);
 (d) the slow path's host work, the rest of SpecRoll's adaptation cost (between batches, not in the
     decode loop): one guarded refresh of one head (``slow_path.retrain.refresh``: held-out
-    evaluation before and after, the proximal term's pre-refresh pass and --refresh-steps AdamW
+    evaluation before and after, the proximal term's pre-refresh pass and the AdamW
     steps, each over every record) on a reservoir of --refresh-records random valid records per
-    head, timed at 1 and 3 steps so that its cost splits into a fixed part (the three passes) and
-    a per-step part; and the records built from the trainer's forward of a batch
+    head, timed at 0, 1 and 3 steps so that its cost splits into the passes (0 steps), the first
+    step's extra (at the 1.5B shape, likely the [records, V] buffers it allocates for the later
+    steps to reuse) and
+    a per-step part, over the full vocabulary and with the support-only objective
+    (``SlowPathConfig.refresh_vocab``); and the records built from the trainer's forward of a batch
     (``trainer_records.from_hidden``, --trainer-anchors anchors). Both are linear in the records
     (their unembedding over V dominates), so the table also gives one refresh at the drift
     replay's setting (1536 records per head, 10 steps each over half of them:
@@ -321,7 +324,9 @@ def random_reservoir(config, *, num_heads: int, capacity: int, support: int, can
                    valid=jnp.ones((k, c), bool), count=jnp.full((k,), c, jnp.int32))
 
 
-SLOW_STEPS = (1, 3)  # refresh steps timed: cost = fixed (3 passes) + steps x per-step
+# refresh steps timed: 0 gives the passes alone (held-out evaluations, pre-refresh pass); 1 and 3
+# give the cost of a step (their difference) and so the first step's extra (buffers it allocates)
+SLOW_STEPS = (0, 1, 3)
 
 
 def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: int):
@@ -354,7 +359,7 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
   refresh = {v: refresh_fn(cfg.replace(refresh_vocab=v)) for v in SP.VOCABS}
   names, cases = [], []
   for s in SLOW_STEPS:
-    names.append(f"refresh, {s} step{'s' if s > 1 else ''}")
+    names.append(f"refresh, {s} step{'' if s == 1 else 's'}")
     cases.append((refresh["full"], (params, heads, state.opt_state, res, jnp.int32(s))))
   b, m = 16, 64
   kh, kt = jax.random.split(jax.random.key(seed + 1))
@@ -368,7 +373,7 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
   names.append(f"trainer records, {anchors} anchors")
   cases.append((build, (params, heads, hidden, tokens, jax.random.key(seed))))
   for s in SLOW_STEPS:  # the support-only objective (SlowPathConfig.refresh_vocab="support")
-    names.append(f"refresh on the support, {s} step{'s' if s > 1 else ''}")
+    names.append(f"refresh on the support, {s} step{'' if s == 1 else 's'}")
     cases.append((refresh["support"], (params, heads, state.opt_state, res, jnp.int32(s))))
   return names, cases
 
@@ -385,27 +390,30 @@ def _replay_setting():
 
 
 def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float) -> dict:
-  """The slow path's figures of one model: measured ms, the fixed / per-step split of a refresh
-  (full-batch steps), the replay setting's refresh (``_replay_setting``: its steps read a share
+  """The slow path's figures of one model: measured ms, the split of a refresh (full-batch
+  steps) into its passes (0 steps), the first step's extra and the cost of each further step,
+  the replay setting's refresh (``_replay_setting``: its steps read a share
   of the records) scaled linearly in records, each also in verify forwards."""
   replay_records, replay_steps, share = _replay_setting()
   ms = {n: 1e3 * t["s"] for n, t in zip(names, times, strict=True)}
 
-  def split(r1, r3):
-    per_step = (r3 - r1) / (SLOW_STEPS[1] - SLOW_STEPS[0])
-    fixed = r1 - SLOW_STEPS[0] * per_step
+  def split(r0, r1, r3):
+    per_step = (r3 - r1) / (SLOW_STEPS[2] - SLOW_STEPS[1])
+    fixed = r1 - SLOW_STEPS[1] * per_step  # the passes and the first step's extra
     replay = (fixed + replay_steps * share * per_step) * replay_records / records
     return {"refresh_fixed_ms": fixed, "refresh_per_step_ms": per_step,
+            "refresh_passes_ms": r0, "refresh_first_step_extra_ms": fixed - r0,
             "replay_refresh": {"records": replay_records, "steps": replay_steps,
                                "step_share": share, "ms": replay,
                                "verify_forwards": replay / verify_ms},
             "refresh_1_step_verify_forwards": r1 / verify_ms}
 
-  rec_ms = ms[names[2]]
+  n = len(SLOW_STEPS)
+  rec_ms = ms[names[n]]
   return {"records": records, "anchors": anchors, "verify_ms": verify_ms, "measured_ms": ms,
           "compile_s": {n: t["compile_s"] for n, t in zip(names, times, strict=True)},
-          **split(ms[names[0]], ms[names[1]]),
-          "support": split(ms[names[3]], ms[names[4]]),
+          **split(*(ms[x] for x in names[:n])),
+          "support": split(*(ms[x] for x in names[n + 1:])),
           "trainer_records_ms": rec_ms, "trainer_records_verify_forwards": rec_ms / verify_ms,
           "trainer_records_per_anchor_ms": rec_ms / anchors}
 
@@ -474,9 +482,11 @@ def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
                  "compile_s": t["compile_s"]})
   slow = slow_path_rows(snames, st, records=a.refresh_records, anchors=a.trainer_anchors,
                        verify_ms=v0)
-  print(f"  slow path: refresh of one head {slow['refresh_fixed_ms']:.1f} ms + "
+  print(f"  slow path: refresh of one head {slow['refresh_passes_ms']:.1f} ms of passes + "
+        f"{slow['refresh_first_step_extra_ms']:.1f} ms first-step extra + "
         f"{slow['refresh_per_step_ms']:.1f} ms per step ({a.refresh_records} records; on the "
-        f"support {slow['support']['refresh_fixed_ms']:.1f} + "
+        f"support {slow['support']['refresh_passes_ms']:.1f} + "
+        f"{slow['support']['refresh_first_step_extra_ms']:.1f} + "
         f"{slow['support']['refresh_per_step_ms']:.1f}); trainer records "
         f"{slow['trainer_records_ms']:.1f} ms ({a.trainer_anchors} anchors)", flush=True)
   return {"label": label, "config": dataclasses.asdict(config), "verify": details,
@@ -589,7 +599,8 @@ def _report(results: list[dict], meta: dict) -> None:
   con.print(t)
   s = Table(title="The slow path's host work vs one verify forward (same B, N; refresh of one head "
                   "on random valid records; compile excluded)")
-  for c in ("model", "verify ms", "refresh: fixed ms", "per step ms", "records/head",
+  for c in ("model", "verify ms", "refresh: passes ms (0 steps)", "first step's extra ms",
+            "per step ms", "records/head",
             "1-step refresh = verify fwds",
             "replay refresh ({} rec., {} steps x {:.0%} of them) ms".format(*_replay_setting()),
             "= verify fwds", "trainer records ms (anchors)", "= verify fwds"):
@@ -599,7 +610,8 @@ def _report(results: list[dict], meta: dict) -> None:
     for vocab, x in (("full vocabulary", sp), ("support only", sp["support"])):
       rp = x["replay_refresh"]
       s.add_row(f"{res['label']}, refresh over the {vocab}", f"{sp['verify_ms']:.2f}",
-                f"{x['refresh_fixed_ms']:.1f}", f"{x['refresh_per_step_ms']:.1f}",
+                f"{x['refresh_passes_ms']:.1f}", f"{x['refresh_first_step_extra_ms']:.1f}",
+                f"{x['refresh_per_step_ms']:.1f}",
                 str(sp["records"]), f"{x['refresh_1_step_verify_forwards']:.1f}",
                 f"{rp['ms']:.0f}", f"{rp['verify_forwards']:.1f}",
                 f"{sp['trainer_records_ms']:.1f} ({sp['anchors']})",

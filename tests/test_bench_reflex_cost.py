@@ -47,12 +47,15 @@ def test_quick_run_writes_consistent_rows(bench, tmp_path):
     # the slow path's host work: a refresh at 1 and 3 steps and the trainer records, all timed;
     # the fixed / per-step split reproduces both refreshes, the replay's refresh scales it
     sp = m["slow_path"]
-    assert len(sp["measured_ms"]) == 5 and all(v > 0 for v in sp["measured_ms"].values())
+    assert len(sp["measured_ms"]) == 7 and all(v > 0 for v in sp["measured_ms"].values())
     got = list(sp["measured_ms"].values())
-    # the full-vocabulary refresh, then (after the records) the support-only one
-    for x, (r1, r3) in ((sp, got[:2]), (sp["support"], got[3:])):
+    # the full-vocabulary refresh at 0, 1 and 3 steps, the records, the support-only refresh
+    for x, (r0, r1, r3) in ((sp, got[:3]), (sp["support"], got[4:])):
       assert x["refresh_fixed_ms"] + x["refresh_per_step_ms"] == pytest.approx(r1)
       assert x["refresh_fixed_ms"] + 3 * x["refresh_per_step_ms"] == pytest.approx(r3)
+      assert x["refresh_passes_ms"] == pytest.approx(r0)
+      assert x["refresh_passes_ms"] + x["refresh_first_step_extra_ms"] == pytest.approx(
+          x["refresh_fixed_ms"])
       rp = x["replay_refresh"]  # for_small_models: 10 steps, each over half of 1536 records
       assert (rp["records"], rp["steps"], rp["step_share"]) == (1536, 10, 0.5)
       assert rp["ms"] == pytest.approx((x["refresh_fixed_ms"] + 5 * x["refresh_per_step_ms"])
