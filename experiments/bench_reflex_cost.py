@@ -24,8 +24,9 @@ For each model, at the same B rows and N tree nodes per row:
     steps, each over every record) on a reservoir of --refresh-records random valid records per
     head, timed at 0, 1 and 3 steps so that its cost splits into the passes (0 steps), the first
     step's extra (at the 1.5B shape, likely the [records, V] buffers it allocates for the later
-    steps to reuse) and a per-step part, over the full vocabulary and with the support-only objective
-    (``SlowPathConfig.refresh_vocab``); and the records built from the trainer's forward of a batch
+    steps to reuse) and a per-step part, over the full vocabulary and with the support-only
+    objective (``SlowPathConfig.refresh_vocab``); and the records built from the trainer's forward
+    of a batch
     (``trainer_records.from_hidden``, --trainer-anchors anchors). Both are linear in the records
     (their unembedding over V dominates), so the table also gives one refresh at the drift
     replay's setting (1536 records per head, 10 steps each over half of them:
