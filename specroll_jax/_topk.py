@@ -18,7 +18,11 @@ def top_k(x, k: int):
   """(values, ids) of the ``k`` largest entries of ``x`` along its last axis, as ``lax.top_k``
   (sorted, value descending, the lower index first among equals); the outputs may be sliced or
   indexed without the whole axis being sorted on a CPU."""
-  return jax.lax.optimization_barrier(jax.lax.top_k(x, k))
+  values, ids = jax.lax.top_k(x, k)
+  # one barrier per output: a barrier over both takes the TopK's tuple itself once XLA folds
+  # tuple(gte 0, gte 1) back into it, and XLA's TopkDecomposer (which runs on sharded programs)
+  # then fails a check on a TopK user that is not a get-tuple-element, killing the process
+  return jax.lax.optimization_barrier(values), jax.lax.optimization_barrier(ids)
 
 
 def top_ids(x, *ks: int) -> tuple:

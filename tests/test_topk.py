@@ -66,3 +66,26 @@ def test_sliced_top_k_compiles_without_a_vocabulary_sort():
   assert not _sorts_over(hlo(lambda x: _topk.top_ids(x, 16, 4)), V)
   cfg = SamplingConfig(temperature=1.0, top_k=50)
   assert not _sorts_over(hlo(lambda x: sampling.allowed_logits(x, cfg)), V)
+
+
+def test_top_k_compiles_and_matches_inside_a_sharded_program(tmp_path):
+  """On 4 CPU devices, ``_topk`` inside ``shard_map`` (as the data-parallel GRPO step runs the
+  top-k sampling filter) compiles and gives lax.top_k's results. One barrier over both outputs
+  crashed XLA's TopkDecomposer there (a check failure that kills the process), hence a
+  subprocess."""
+  from conftest import run_on_cpu_devices
+  out = run_on_cpu_devices(tmp_path, """
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from specroll_jax import _topk
+mesh = jax.make_mesh((4,), ("d",))
+x = jnp.asarray(np.random.default_rng(0).normal(size=(8, 512)), jnp.float32)
+xs = jax.device_put(x, NamedSharding(mesh, P("d")))
+f = lambda tk: lambda x: (tk(x, 5)[0][..., -1:], tk(x, 5)[1][..., :2])
+g = jax.jit(jax.shard_map(f(_topk.top_k), mesh=mesh, in_specs=P("d"), out_specs=P("d")))
+got, want = g(xs), f(jax.lax.top_k)(x)
+print("RESULT " + json.dumps([bool((np.asarray(a) == np.asarray(b)).all())
+                              for a, b in zip(got, want)]))
+""")
+  assert out == [True, True]
