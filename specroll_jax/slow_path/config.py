@@ -85,7 +85,7 @@ class SlowPathConfig:
     record's p is already renormalised on S), so a step needs |S| unembedding rows per record
     instead of the V x D unembedding: V / |S| times less unembedding work (50 on the embedded
     model, 3700 over Qwen's vocabulary; the head's own work stays). Measured, a refresh costs
-    7.6 times less at the Qwen2.5-1.5B shape and a fifth less on the embedded model
+    ten times less at the Qwen2.5-1.5B shape and a fifth less on the embedded model
     (docs/benchmarks.md, session 34). Mass the head puts off the support is not
     trained; the guard still judges every refresh over the full vocabulary (held-out CE with the
     tail bucket, and TV), so a refresh that moved mass off the support is rolled back.
