@@ -331,9 +331,9 @@ SLOW_STEPS = (0, 1, 3)
 
 def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: int):
   """(names, cases [(fn, args)]): one refresh of head 0 at each of ``SLOW_STEPS`` steps (one
-  compiled program: the step count is traced), ``trainer_records.from_hidden`` of a 16-row
-  batch of 64 response tokens with ``anchors`` anchors, and the refresh again with the
-  support-only objective (``refresh_vocab="support"``)."""
+  compiled program: the step count is traced), then the same with the support-only objective
+  (``refresh_vocab="support"``), then ``trainer_records.from_hidden`` of a 16-row batch of 64
+  response tokens with ``anchors`` anchors."""
   import jax
   import jax.numpy as jnp
 
@@ -356,11 +356,12 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
   def refresh_fn(c):
     return jax.jit(lambda p, hd, opt, r, n: retrain.refresh(c, config, p, hd, opt, r, mask, n))
 
-  refresh = {v: refresh_fn(cfg.replace(refresh_vocab=v)) for v in SP.VOCABS}
   names, cases = [], []
-  for s in SLOW_STEPS:
-    names.append(f"refresh, {s} step{'' if s == 1 else 's'}")
-    cases.append((refresh["full"], (params, heads, state.opt_state, res, jnp.int32(s))))
+  for vocab, label in (("full", "refresh"), ("support", "refresh on the support")):
+    fn = refresh_fn(cfg.replace(refresh_vocab=vocab))  # SlowPathConfig.refresh_vocab
+    for s in SLOW_STEPS:
+      names.append(f"{label}, {s} step{'' if s == 1 else 's'}")
+      cases.append((fn, (params, heads, state.opt_state, res, jnp.int32(s))))
   b, m = 16, 64
   kh, kt = jax.random.split(jax.random.key(seed + 1))
   hidden = jax.random.normal(kh, (b, m, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
@@ -372,9 +373,6 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
       num_anchors=anchors)
   names.append(f"trainer records, {anchors} anchors")
   cases.append((build, (params, heads, hidden, tokens, jax.random.key(seed))))
-  for s in SLOW_STEPS:  # the support-only objective (SlowPathConfig.refresh_vocab="support")
-    names.append(f"refresh on the support, {s} step{'' if s == 1 else 's'}")
-    cases.append((refresh["support"], (params, heads, state.opt_state, res, jnp.int32(s))))
   return names, cases
 
 
@@ -408,12 +406,12 @@ def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float
                                "verify_forwards": replay / verify_ms},
             "refresh_1_step_verify_forwards": r1 / verify_ms}
 
-  n = len(SLOW_STEPS)
-  rec_ms = ms[names[n]]
+  n = len(SLOW_STEPS)  # names: the full refresh's steps, the support-only one's, the records
+  rec_ms = ms[names[2 * n]]
   return {"records": records, "anchors": anchors, "verify_ms": verify_ms, "measured_ms": ms,
           "compile_s": {n: t["compile_s"] for n, t in zip(names, times, strict=True)},
           **split(*(ms[x] for x in names[:n])),
-          "support": split(*(ms[x] for x in names[n + 1:])),
+          "support": split(*(ms[x] for x in names[n:2 * n])),
           "trainer_records_ms": rec_ms, "trainer_records_verify_forwards": rec_ms / verify_ms,
           "trainer_records_per_anchor_ms": rec_ms / anchors}
 
