@@ -166,6 +166,8 @@ def parse(argv):
                   help="slow-path reservoir records (all heads together)")
   ap.add_argument("--slow-steps", type=int, default=_SMALL.refresh_steps,
                   help="optimiser steps per refresh")
+  ap.add_argument("--slow-chunk-size", type=int, default=_SMALL.chunk_size,
+                  help="records per head in a reservoir chunk (SlowPathConfig.chunk_size)")
   ap.add_argument("--slow-step-chunks", type=int, default=_SMALL.step_chunks,
                   help="reservoir chunks per optimiser step (0: full batch; SlowPathConfig."
                        "step_chunks)")
@@ -235,7 +237,7 @@ def parse(argv):
   _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_warmup=0, grpo_prompts=1,
                              grpo_group=2, grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
                              slow_reservoir=2, slow_steps=1, slow_check_every=1, trainer_anchors=1,
-                             trainer_sleep=0, slow_step_chunks=0,
+                             trainer_sleep=0, slow_step_chunks=0, slow_chunk_size=1,
                              node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
                              ceiling_every=1, min_gap=0.0)
   if not 0 <= a.temperature < float("inf"):
@@ -494,6 +496,7 @@ def slow_config(a, mode: str) -> SP.SlowPathConfig:
   heads (the DESIGN default 1e-5 is for 1.5B-parameter heads trained at ~1e-4)."""
   return SP.SlowPathConfig.for_tests(mode=mode, learning_rate=a.slow_lr,
                                      reservoir_size=a.slow_reservoir, refresh_steps=a.slow_steps,
+                                     chunk_size=a.slow_chunk_size,
                                      step_chunks=a.slow_step_chunks,
                                      degradation_budget=a.slow_refresh_budget,
                                      refresh_selection=a.slow_selection,

@@ -34,7 +34,10 @@ For each model, at the same B rows and N tree nodes per row:
     scaled from the measured ones, all in units of one verify forward of the same model.
 
 The static baseline is what ``adaptation.proposer`` runs for Medusa heads with Reflex and the slow
-path off (``HeadsProposer``, the same heads and tree plan); root-conditioned heads are not timed.
+path off (``HeadsProposer``, the same heads and tree plan); in (b) root-conditioned heads are not
+timed. In (d) the tiny model's slow path trains and reads its shipped root-conditioned heads (what
+the main job proposes with), and the refresh the main job runs is also timed whole
+(``SlowPathConfig.for_small_models``, one and two heads); the 1.5B shape's are random Medusa heads.
 
 Reflex's extra = Reflex proposer ms - static proposer ms; its share = extra / verify ms (topm 0).
 The 1.5B shape (hidden 1536, 28 layers, 12 / 2 heads, intermediate 8960, vocab 151936, tied
@@ -71,12 +74,14 @@ TOPMS = (0, 16)  # the static heads' verify; with Reflex's top-16 feedback
 
 
 def tiny_model():
-  """(name, config, params, heads) of the embedded default model and its shipped heads."""
+  """(name, config, params, heads, cond_heads) of the embedded default model and its shipped
+  Medusa and root-conditioned heads (the main job proposes with the latter)."""
   from specroll_jax import pipeline
   config, params, tok, path = pipeline.load_model(None, progress=False)
   heads = pipeline.default_heads(config, params, tok, path, progress=False)
+  cond = pipeline.default_heads(config, params, tok, path, progress=False, conditioned=True)
   return f"tiny (d={config.hidden_size}, V={config.vocab_size}, {config.num_layers} layers)", \
-      config, params, heads
+      config, params, heads, cond
 
 
 def qwen_shaped(layers: int, dtype: str, seed: int = 0):
@@ -303,10 +308,11 @@ def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, 
 
 
 def random_reservoir(config, *, num_heads: int, capacity: int, support: int, candidates: int,
-                     seed: int):
+                     seed: int, paths: bool = False):
   """A full reservoir of random, valid records (every field filled as Reflex or the trainer
   writes it: supports of distinct-enough ids, target probabilities on them, the committed token
-  among them), for timing: the refresh's work does not depend on the values."""
+  among them; with ``paths`` the committed paths root-conditioned heads read), for timing: the
+  refresh's work does not depend on the values."""
   import jax
   import jax.numpy as jnp
 
@@ -321,7 +327,9 @@ def random_reservoir(config, *, num_heads: int, capacity: int, support: int, can
                    candidates=sup[..., :candidates], hit=jnp.ones((k, c), bool),
                    tv=jnp.full((k, c), 0.3, jnp.float32),
                    position=jnp.broadcast_to(jnp.arange(c, dtype=jnp.int32), (k, c)),
-                   valid=jnp.ones((k, c), bool), count=jnp.full((k,), c, jnp.int32))
+                   valid=jnp.ones((k, c), bool), count=jnp.full((k,), c, jnp.int32),
+                   path=jax.random.randint(keys[3], (k, c, k), 0, v, jnp.int32) if paths
+                   else None)
 
 
 # refresh steps timed: 0 gives the passes alone (held-out evaluations, pre-refresh pass); 1 and 3
@@ -329,14 +337,20 @@ def random_reservoir(config, *, num_heads: int, capacity: int, support: int, can
 SLOW_STEPS = (0, 1, 3)
 
 
-def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: int):
+def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: int,
+                    preset: bool = False):
   """(names, cases [(fn, args)]): one refresh of head 0 at each of ``SLOW_STEPS`` steps (one
   compiled program: the step count is traced), then the same with the support-only objective
   (``refresh_vocab="support"``), then ``trainer_records.from_hidden`` of a 16-row batch of 64
-  response tokens with ``anchors`` anchors."""
+  response tokens with ``anchors`` anchors; with ``preset``, then the refresh the main job runs
+  on a small model as it runs it (``SlowPathConfig.for_small_models``: its reservoir of random
+  valid records, its steps, the head mask an argument as in ``slow_path.after_batch``), of one
+  head and of two, and of one head in ``for_tests``' chunks of 64 records (session 34's preset:
+  the same records per step)."""
   import jax
   import jax.numpy as jnp
 
+  from specroll_jax import head_kinds
   from specroll_jax import slow_path as SP
   from specroll_jax import trainer_records as TR
   from specroll_jax.models import decoder as dec
@@ -344,24 +358,25 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
   from specroll_jax.sampling import SamplingConfig
   from specroll_jax.slow_path import retrain
   k = heads.num_heads
-  rc = ReflexConfig(num_heads=k)
+  cond = head_kinds.is_conditioned(heads)
+  rc = ReflexConfig(num_heads=k, conditioned=cond)
   cfg = SP.SlowPathConfig(reservoir_size=records * k, chunk_size=min(256, records),
                           learning_rate=1e-4).refresh_settings()
   state = SP.init(cfg, heads, support_size=rc.support_size, num_candidates=rc.max_candidates)
   res = random_reservoir(config, num_heads=k, capacity=records, support=rc.support_size,
-                         candidates=rc.max_candidates, seed=seed)
+                         candidates=rc.max_candidates, seed=seed, paths=cond)
   params = dec.unstack_layers(params)
-  mask = jnp.arange(k) == 0  # one head, as the degradation monitor usually names
+  one = jnp.arange(k) == 0  # one head, as the degradation monitor usually names
 
-  def refresh_fn(c):
-    return jax.jit(lambda p, hd, opt, r, n: retrain.refresh(c, config, p, hd, opt, r, mask, n))
+  def refresh_fn(c):  # the mask an argument, as after_batch compiles it
+    return jax.jit(lambda p, hd, opt, r, m, n: retrain.refresh(c, config, p, hd, opt, r, m, n))
 
   names, cases = [], []
   for vocab, label in (("full", "refresh"), ("support", "refresh on the support")):
     fn = refresh_fn(cfg.replace(refresh_vocab=vocab))  # SlowPathConfig.refresh_vocab
-    for s in SLOW_STEPS:
-      names.append(f"{label}, {s} step{'' if s == 1 else 's'}")
-      cases.append((fn, (params, heads, state.opt_state, res, jnp.int32(s))))
+    for st in SLOW_STEPS:
+      names.append(f"{label}, {st} step{'' if st == 1 else 's'}")
+      cases.append((fn, (params, heads, state.opt_state, res, one, jnp.int32(st))))
   b, m = 16, 64
   kh, kt = jax.random.split(jax.random.key(seed + 1))
   hidden = jax.random.normal(kh, (b, m, config.hidden_size), jnp.float32).astype(config.jnp_dtype)
@@ -373,12 +388,27 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
       num_anchors=anchors)
   names.append(f"trainer records, {anchors} anchors")
   cases.append((build, (params, heads, hidden, tokens, jax.random.key(seed))))
+  if preset:
+    small = SP.SlowPathConfig.for_small_models()
+    per_head = small.per_head(k)
+    big = random_reservoir(config, num_heads=k, capacity=per_head, support=rc.support_size,
+                           candidates=rc.max_candidates, seed=seed + 2, paths=cond)
+    steps = jnp.int32(small.refresh_steps)
+    two = jnp.arange(k) < 2
+    for label, c, mask in (("preset refresh, 1 head", small, one),
+                           ("preset refresh, 2 heads", small, two),
+                           ("preset refresh, 1 head, chunks of 64",
+                            small.replace(chunk_size=64, step_chunks=12), one)):
+      c = c.refresh_settings()
+      st = SP.init(c, heads, support_size=rc.support_size, num_candidates=rc.max_candidates)
+      names.append(label)
+      cases.append((refresh_fn(c), (params, heads, st.opt_state, big, mask, steps)))
   return names, cases
 
 
 def _replay_setting():
   """(records per head, steps, share of the records one step reads) of the replay's refresh:
-  ``SlowPathConfig.for_small_models`` for 3 heads (1536, 10, 0.5 with ``step_chunks`` 12 of 24)."""
+  ``SlowPathConfig.for_small_models`` for 3 heads (1536, 10, 0.5 with ``step_chunks`` 2 of 4)."""
   from specroll_jax import slow_path as SP
   cfg = SP.SlowPathConfig.for_small_models()
   per_head = cfg.per_head(3)
@@ -406,9 +436,18 @@ def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float
                                "verify_forwards": replay / verify_ms},
             "refresh_1_step_verify_forwards": r1 / verify_ms}
 
-  n = len(SLOW_STEPS)  # names: the full refresh's steps, the support-only one's, the records
-  rec_ms = ms[names[2 * n]]
+  n = len(SLOW_STEPS)  # names: the full refresh's steps, the support-only one's, the records,
+  rec_ms = ms[names[2 * n]]  # then the preset's refreshes (``slow_path_cases``)
+  preset = None
+  if len(names) > 2 * n + 1:
+    one, two, small = (ms[x] for x in names[2 * n + 1:])
+    preset = {"records": replay_records, "steps": replay_steps, "step_share": share,
+              "one_head_ms": one,
+              "two_heads_ms": two, "one_head_chunks64_ms": small,
+              "one_head_verify_forwards": one / verify_ms,
+              "two_heads_verify_forwards": two / verify_ms}
   return {"records": records, "anchors": anchors, "verify_ms": verify_ms, "measured_ms": ms,
+          "preset": preset,
           "compile_s": {n: t["compile_s"] for n, t in zip(names, times, strict=True)},
           **split(*(ms[x] for x in names[:n])),
           "support": split(*(ms[x] for x in names[n:2 * n])),
@@ -419,10 +458,12 @@ def slow_path_rows(names, times, *, records: int, anchors: int, verify_ms: float
 # --------------------------------------------------------------------------------------- main
 
 
-def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
+def bench_model(label, config, params, heads, a, *, full_layers=None, slow_heads=None) -> dict:
   """Every row of the table for one model: the verify forwards and the proposer variants timed in
   one round robin. ``full_layers`` > the model's layers (the cut 1.5B shape): the verify is also
-  timed at fewer layers and extrapolated linearly to ``full_layers``."""
+  timed at fewer layers and extrapolated linearly to ``full_layers``. ``slow_heads`` (default
+  ``heads``): the heads the slow path's cases train and read; given, the preset's refreshes are
+  timed too (``slow_path_cases``)."""
   kw = dict(rows=a.rows, nodes=a.nodes, cache=a.cache, seed=a.seed)
   cases = verify_cases(config, params, heads, num_heads=heads.num_heads, **kw)
   layers = config.num_layers
@@ -433,8 +474,9 @@ def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
         :lo]}, heads, num_heads=heads.num_heads, **kw)
   variants, pcases = proposer_cases(config, params, heads, accept=a.accept, steps=a.steps,
                                     strides=tuple(a.strides), quick=a.quick, **kw)
-  snames, scases = slow_path_cases(config, params, heads, records=a.refresh_records,
-                                   anchors=a.trainer_anchors, seed=a.seed)
+  snames, scases = slow_path_cases(config, params, heads if slow_heads is None else slow_heads,
+                                   records=a.refresh_records, anchors=a.trainer_anchors,
+                                   seed=a.seed, preset=slow_heads is not None)
   print(f"{label}: {len(cases)} verify, {len(pcases)} proposer and {len(scases)} slow-path "
         f"cases, {a.repeats} rounds", flush=True)
   times = round_robin(cases + pcases + scases, a.repeats)
@@ -487,7 +529,13 @@ def bench_model(label, config, params, heads, a, *, full_layers=None) -> dict:
         f"{slow['support']['refresh_first_step_extra_ms']:.1f} + "
         f"{slow['support']['refresh_per_step_ms']:.1f}); trainer records "
         f"{slow['trainer_records_ms']:.1f} ms ({a.trainer_anchors} anchors)", flush=True)
-  return {"label": label, "config": dataclasses.asdict(config), "verify": details,
+  if slow["preset"] is not None:
+    pr = slow["preset"]
+    print(f"  the preset's refresh: one head {pr['one_head_ms']:.1f} ms, two heads "
+          f"{pr['two_heads_ms']:.1f} ms, one head in chunks of 64 {pr['one_head_chunks64_ms']:.1f}"
+          " ms", flush=True)
+  kind = type(heads if slow_heads is None else slow_heads).__name__
+  return {"label": label, "slow_heads": kind, "config": dataclasses.asdict(config), "verify": details,
           "verify_ms": v0, "verify_top16_ms": v16, "layers_note": note, "rows": rows,
           "slow_path": slow}
 
@@ -537,8 +585,8 @@ def main(argv=None):
   results = []
   t_start = time.perf_counter()
   if "tiny" in a.models:
-    label, config, params, heads = tiny_model()
-    results.append(bench_model(label, config, params, heads, a))
+    label, config, params, heads, cond = tiny_model()
+    results.append(bench_model(label, config, params, heads, a, slow_heads=cond))
   if "qwen1.5b" in a.models:
     results.append(bench_qwen(a))
   meta = {"command": "experiments/bench_reflex_cost.py " + " ".join(
@@ -607,7 +655,8 @@ def _report(results: list[dict], meta: dict) -> None:
     sp = res["slow_path"]
     for vocab, x in (("full vocabulary", sp), ("support only", sp["support"])):
       rp = x["replay_refresh"]
-      s.add_row(f"{res['label']}, refresh over the {vocab}", f"{sp['verify_ms']:.2f}",
+      s.add_row(f"{res['label']}, {res['slow_heads']}, refresh over the {vocab}",
+                f"{sp['verify_ms']:.2f}",
                 f"{x['refresh_passes_ms']:.1f}", f"{x['refresh_first_step_extra_ms']:.1f}",
                 f"{x['refresh_per_step_ms']:.1f}",
                 str(sp["records"]), f"{x['refresh_1_step_verify_forwards']:.1f}",
@@ -615,6 +664,22 @@ def _report(results: list[dict], meta: dict) -> None:
                 f"{sp['trainer_records_ms']:.1f} ({sp['anchors']})",
                 f"{sp['trainer_records_verify_forwards']:.2f}")
   con.print(s)
+  presets = [r for r in results if r["slow_path"].get("preset")]
+  if presets:
+    per_head, steps, share = _replay_setting()
+    p = Table(title=f"The main job's refresh on a small model (SlowPathConfig.for_small_models: "
+                    f"{per_head} random valid records per head, {steps} steps x {share:.0%} of "
+                    "them, support only, the head mask traced; compile excluded)")
+    for c in ("model", "heads", "verify ms", "one head ms", "= verify fwds", "two heads ms",
+              "= verify fwds", "one head, chunks of 64 ms"):
+      p.add_column(c, justify="left" if c in ("model", "heads") else "right")
+    for res in presets:
+      x = res["slow_path"]["preset"]
+      p.add_row(res["label"], res["slow_heads"], f"{res['slow_path']['verify_ms']:.2f}",
+                f"{x['one_head_ms']:.1f}", f"{x['one_head_verify_forwards']:.1f}",
+                f"{x['two_heads_ms']:.1f}", f"{x['two_heads_verify_forwards']:.1f}",
+                f"{x['one_head_chunks64_ms']:.1f}")
+    con.print(p)
   for res in results:
     if res.get("layers_note"):
       con.print(f"{res['label']}: {res['layers_note']}")

@@ -47,7 +47,18 @@ def test_quick_run_writes_consistent_rows(bench, tmp_path):
     # the slow path's host work: a refresh at 1 and 3 steps and the trainer records, all timed;
     # the fixed / per-step split reproduces both refreshes, the replay's refresh scales it
     sp = m["slow_path"]
-    assert len(sp["measured_ms"]) == 7 and all(v > 0 for v in sp["measured_ms"].values())
+    tiny = m is models[0]  # the tiny model's slow path: its root-conditioned heads, + the preset
+    assert m["slow_heads"] == ("CondHeads" if tiny else "Heads")
+    assert len(sp["measured_ms"]) == (10 if tiny else 7)
+    assert all(v > 0 for v in sp["measured_ms"].values())
+    if tiny:  # the main job's refresh, timed whole: one head, two heads, one in chunks of 64
+      pr = sp["preset"]
+      assert (pr["records"], pr["steps"], pr["step_share"]) == (1536, 10, 0.5)
+      assert [pr["one_head_ms"], pr["two_heads_ms"], pr["one_head_chunks64_ms"]] == \
+          list(sp["measured_ms"].values())[7:]
+      assert pr["one_head_verify_forwards"] == pytest.approx(pr["one_head_ms"] / sp["verify_ms"])
+    else:
+      assert sp["preset"] is None
     got = list(sp["measured_ms"].values())
     # the full-vocabulary refresh at 0, 1 and 3 steps, the support-only refresh, the records
     for x, (r0, r1, r3) in ((sp, got[:3]), (sp["support"], got[3:6])):

@@ -45,6 +45,7 @@ CASES = [
     ("gsm8k.py", ["--trainer-anchors", "0"], "--trainer-anchors"),
     ("gsm8k.py", ["--slow-step-chunks", "-1"], "--slow-step-chunks"),
     ("bench_adaptation.py", ["--slow-step-chunks", "-2"], "--slow-step-chunks"),
+    ("bench_adaptation.py", ["--slow-chunk-size", "0"], "--slow-chunk-size"),
     ("gsm8k.py", ["--slow-refresh-budget", "inf"], "--slow-refresh-budget"),
     ("bench_adaptation.py", ["--slow-refresh-budget", "-0.1"], "--slow-refresh-budget"),
     ("gsm8k.py", ["--steps", "many"], "--steps"),

@@ -14,6 +14,7 @@ from specroll_jax import records as records_lib
 from specroll_jax import slow_path as sp
 from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.records import Records
+from specroll_jax.slow_path import retrain
 
 K, S, KC, TOP = 3, 20, 4, 16  # heads, support width (4 unused entries), candidates, used support
 # 2 Adam steps at the DESIGN lr (1e-5) barely move a random tiny model; 1e-2 makes the effect of
@@ -395,8 +396,8 @@ def test_after_evaluation_reads_only_the_held_out_slots_and_matches_evaluate(tin
 
 
 def test_minibatch_steps_read_only_their_group_of_chunks(tiny, refreshed):
-  """step_chunks = 2 of 8 chunks: 4 strided groups covering every chunk once; one step reads
-  group 0 alone, so replacing every training record outside it leaves the step's result
+  """step_chunks = 2 of 8 chunks (each strided over the ring): 4 groups covering every chunk
+  once; one step reads group 0 alone, so replacing every training record outside it leaves the step's result
   unchanged, while a full-batch step (and a second minibatch step, group 1) does change."""
   config, params, student, _ = tiny
   state, _, _, _ = refreshed
@@ -407,7 +408,9 @@ def test_minibatch_steps_read_only_their_group_of_chunks(tiny, refreshed):
   assert sp.step_groups(cfg.replace(step_chunks=0), c) is None
   assert sp.step_groups(cfg.replace(step_chunks=8), c) is None
   held = sp.holdout_slots(TRAIN_CFG, c)
-  outside = ~np.isin(np.arange(c) // 16, groups[0]) & ~held
+  idx, inside = retrain._chunks(cfg, c)  # strided chunks: chunk j holds slots j, j + 8, ...
+  assert c == 128 and inside.all() and np.array_equal(idx, np.arange(c).reshape(16, 8).T)
+  outside = ~np.isin(np.arange(c), idx[groups[0]]) & ~held
   other = make_records(config, params, student, 7, c, tv=0.3)
   swapped = fill(state, jax.tree.map(
       lambda a, b: (jnp.where(outside.reshape((1, c) + (1,) * (a.ndim - 2)), b, a)
@@ -426,6 +429,30 @@ def test_minibatch_steps_read_only_their_group_of_chunks(tiny, refreshed):
   full = cfg.replace(step_chunks=0)
   assert not leaves_equal(heads_after(full, state.reservoir, 1), heads_after(full, swapped, 1))
   assert not leaves_equal(heads_after(cfg, state.reservoir, 2), heads_after(cfg, swapped, 2))
+
+
+def test_chunk_size_does_not_change_what_a_step_reads(tiny, refreshed):
+  """Chunks are strided over the ring, so a minibatch step of half the records reads the same
+  records (the even slots) in 8 chunks of 16 as in 2 chunks of 64: the same refresh, up to the
+  order of the sums; and so does a full-batch step."""
+  config, params, student, _ = tiny
+  state, _, _, _ = refreshed
+  mask = jnp.ones(K, bool)
+
+  def heads_after(chunk, step_chunks):
+    cfg = TRAIN_CFG.replace(chunk_size=chunk, step_chunks=step_chunks).refresh_settings()
+    out = sp.refresh_jit(cfg, config, params, student, state.opt_state, state.reservoir, mask,
+                         jnp.int32(2))
+    return jax.device_get(out[0])
+
+  small, large = heads_after(16, 4), heads_after(64, 1)
+  for a, b in zip(jax.tree.leaves(small), jax.tree.leaves(large), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)  # Adam: lr 1e-2 per step
+  assert not leaves_equal(small, student)
+  assert not leaves_equal(small, heads_after(16, 0))  # the full batch is not the half
+  for a, b in zip(jax.tree.leaves(heads_after(16, 0)), jax.tree.leaves(heads_after(128, 0)),
+                  strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=5e-5)  # Adam: lr 1e-2 per step
 
 
 def test_rollback_restores_parameters_and_optimiser_state_exactly(tiny, refreshed):
@@ -631,20 +658,19 @@ def test_small_model_preset_is_the_replay_tuned_settings():
   c = sp.SlowPathConfig.for_small_models()
   t = sp.SlowPathConfig.for_tests()
   assert (c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
-          c.calibration_batches, c.step_chunks, c.refresh_selection, c.refresh_vocab) == (
-              1e-3, 4608, 10, 1, 0.5, 6, 12, "degraded", "support")
+          c.calibration_batches, c.chunk_size, c.step_chunks, c.refresh_selection,
+          c.refresh_vocab) == (1e-3, 4608, 10, 1, 0.5, 6, 384, 2, "degraded", "support")
   assert c.degradation_budget == 0.0  # no cap: on the CPU replay a cap halved the recovery
-  assert sp.step_groups(c, c.per_head(3)).shape == (2, 12)  # half of the 24 chunks per step
-  assert (c.min_records, c.cooldown_batches, c.chunk_size) == (t.min_records, t.cooldown_batches,
-                                                              t.chunk_size)
+  assert sp.step_groups(c, c.per_head(3)).shape == (2, 2)  # half of the 4 chunks per step
+  assert (c.min_records, c.cooldown_batches) == (t.min_records, t.cooldown_batches)
   assert sp.SlowPathConfig.for_small_models(mode="off", refresh_steps=3).refresh_steps == 3
   a = load_script("bench_adaptation.py").parse([])
   assert (a.slow_lr, a.slow_reservoir, a.slow_steps, a.slow_check_every, a.slow_z,
-          a.calibration, a.slow_budget, a.slow_step_chunks, a.slow_selection,
+          a.calibration, a.slow_budget, a.slow_chunk_size, a.slow_step_chunks, a.slow_selection,
           a.slow_refresh_budget, a.slow_refresh_vocab) == (
               c.learning_rate, c.reservoir_size, c.refresh_steps, c.check_every, c.z_threshold,
-              c.calibration_batches, c.time_budget, c.step_chunks, c.refresh_selection,
-              c.degradation_budget, c.refresh_vocab)
+              c.calibration_batches, c.time_budget, c.chunk_size, c.step_chunks,
+              c.refresh_selection, c.degradation_budget, c.refresh_vocab)
 
 
 def test_main_job_slow_path_settings(tmp_path):

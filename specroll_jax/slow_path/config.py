@@ -187,8 +187,11 @@ class SlowPathConfig:
     "SpecRoll on real GRPO drift", session 23): AdamW at 1e-3 (the default 1e-5 is for the heads of
     a 1.5B-parameter model), 1536 records per head of three, 10 steps per refresh, a check every
     batch at z > 0.5 after 6 calibration batches, and a 5% budget for the scheduled mode. Each
-    refresh step reads half the reservoir's 24 chunks (``step_chunks=12``): on the replay it kept
-    the full-batch steps' recovery (74.3%) at half their refresh time (session 32). A firing
+    refresh step reads half the reservoir (``step_chunks=2`` of 4 chunks, every other slot): on
+    the replay it kept the full-batch steps' recovery (74.3%) at half their refresh time (session
+    32). The chunks hold 384 records (``chunk_size``; :meth:`for_tests`' 64 cost the root-
+    conditioned heads' refresh twice the time in control flow and small matmuls, session 35;
+    with the support-only objective a chunk's logits are [K, 384, 41], not [K, 384, V]). A firing
     refreshes the heads degraded at that check (``refresh_selection="degraded"``): on the
     replay's 128-row batches that lifted recovery from 44.7% to 65.0% (session 33). The refresh
     trains on each record's support alone (``refresh_vocab="support"``): on the replay the same
@@ -196,7 +199,8 @@ class SlowPathConfig:
     (74.5%) on 32-row ones (session 34)."""
     base = dict(learning_rate=1e-3, reservoir_size=4608, refresh_steps=10, scheduled_steps=10,
                 check_every=1, z_threshold=0.5, calibration_batches=6, time_budget=0.05,
-                step_chunks=12, refresh_selection="degraded", refresh_vocab="support")
+                chunk_size=384, step_chunks=2, refresh_selection="degraded",
+                refresh_vocab="support")
     base.update(kw)
     return cls.for_tests(**base)
 

@@ -46,18 +46,21 @@ def holdout_slots(cfg: SlowPathConfig, capacity: int) -> np.ndarray:
 
 
 def _chunks(cfg: SlowPathConfig, capacity: int, slots=None) -> tuple[np.ndarray, np.ndarray]:
-  """([nc, cs] slot index, [nc, cs] inside) over ``slots`` (default: every slot), in chunks of
-  ``chunk_size``; the last chunk is padded with its last slot, marked outside."""
+  """([nc, cs] slot index, [nc, cs] inside) over ``slots`` (default: every slot), in nc chunks of
+  ``chunk_size``, strided: chunk j holds slots j, j + nc, j + 2 nc, ... of ``slots``, so every
+  chunk is spread over the ring (ring slots hold consecutive records: over time), whatever its
+  size. Positions past the end repeat the last slot, marked outside."""
   slots = np.arange(capacity) if slots is None else np.asarray(slots)
   cs = min(cfg.chunk_size, len(slots))
   nc = -(-len(slots) // cs)
-  pos = np.arange(nc * cs).reshape(nc, cs)
+  pos = np.arange(nc * cs).reshape(cs, nc).T  # pos[j, i] = i * nc + j
   return slots[np.minimum(pos, len(slots) - 1)], pos < len(slots)
 
 
 def step_groups(cfg: SlowPathConfig, capacity: int) -> np.ndarray | None:
   """[G, step_chunks] chunk ids of the minibatch groups (None: full-batch steps). Group g holds
-  chunks g, g + G, g + 2G, ... (mod the chunk count): each spread over the ring, i.e. over time."""
+  chunks g, g + G, g + 2G, ... (mod the chunk count); each chunk is itself spread over the ring
+  (:func:`_chunks`), so every group is a sample over time."""
   nc = len(_chunks(cfg, capacity)[0])
   k = cfg.step_chunks
   if k == 0 or k >= nc:
