@@ -535,7 +535,8 @@ def bench_model(label, config, params, heads, a, *, full_layers=None, slow_heads
           f"{pr['two_heads_ms']:.1f} ms, one head in chunks of 64 {pr['one_head_chunks64_ms']:.1f}"
           " ms", flush=True)
   kind = type(heads if slow_heads is None else slow_heads).__name__
-  return {"label": label, "slow_heads": kind, "config": dataclasses.asdict(config), "verify": details,
+  return {"label": label, "slow_heads": kind, "config": dataclasses.asdict(config),
+          "verify": details,
           "verify_ms": v0, "verify_top16_ms": v16, "layers_note": note, "rows": rows,
           "slow_path": slow}
 
