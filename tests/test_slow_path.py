@@ -398,7 +398,8 @@ def test_after_evaluation_reads_only_the_held_out_slots_and_matches_evaluate(tin
 def test_minibatch_steps_read_only_their_group_of_chunks(tiny, refreshed):
   """step_chunks = 2 of 8 chunks (each strided over the ring): 4 groups covering every chunk
   once; one step reads group 0 alone, so replacing every training record outside it leaves the
-  step's result unchanged, while a full-batch step (and a second minibatch step, group 1) does change."""
+  step's result unchanged, while a full-batch step (and a second minibatch step, group 1) does
+  change."""
   config, params, student, _ = tiny
   state, _, _, _ = refreshed
   c = TRAIN_CFG.per_head(K)
