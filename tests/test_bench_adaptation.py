@@ -148,3 +148,29 @@ def test_bad_buckets_exit_2(tmp_path, monkeypatch, capsys, buckets):
 def test_quick_replays_in_one_bucket():
   a = load_script("bench_adaptation.py").parse(["--quick"])
   assert a.buckets == [1.0] and "lookup" not in a.arms
+
+
+def test_in_loop_cost_is_charged_on_awake_batches_against_static_on_the_same_batches():
+  """summarize: the in-loop cost compares an arm's ms per forward with static's on the same
+  batches where Reflex ran; the batches where it slept (static's own program) give the noise
+  figure apart and are not charged."""
+  mod = load_script("bench_adaptation.py")
+  a = mod.parse([])
+
+  def rec(b, seconds, forwards, asleep=None, tau=1.5):
+    return {"batch": b, "seconds": seconds, "forwards": forwards, "tau": tau, "acceptance": [0.5],
+            "same": True, "adaptation_seconds": 0.01, "compile_seconds": 0.0,
+            "reflex": None if asleep is None else {"asleep": asleep}}
+
+  static = [rec(0, 1.0, 10), rec(1, 2.0, 10), rec(2, 1.0, 10), rec(3, 1.0, 10)]
+  # awake batches 0 and 1: 10% slower per forward than static there; asleep 2, 3: 4% faster
+  trainer = [rec(0, 1.1, 10, False), rec(1, 2.2, 10, False), rec(2, 0.96, 10, True),
+             rec(3, 0.96, 10, True)]
+  s = mod.summarize({"static": static, "trainer": trainer}, [1.0] * 4, a)["trainer"]
+  assert s["in_loop_cost"] == pytest.approx(0.10)
+  assert s["in_loop_asleep_cost"] == pytest.approx(-0.04)
+  roll = 1.1 + 2.2 + 0.96 + 0.96
+  assert s["in_loop_share"] == pytest.approx(0.3 / roll)  # (3.3 - 3.0) s over the rollout
+  assert s["host_share"] == pytest.approx(0.04 / roll)
+  assert s["asleep_batches"] == 2
+  assert mod.summarize({"static": static}, [1.0] * 4, a)["static"]["in_loop_asleep_cost"] is None
