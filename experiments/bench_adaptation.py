@@ -876,7 +876,6 @@ def summarize(results, van_s, a) -> dict:
                    np.float64)
     roll = sum(r["seconds"] for r in rec)
     host = sum(r["adaptation_seconds"] for r in rec)
-    fwd = sum(r["forwards"] for r in rec)
     # the in-loop cost: ms per forward over static's on the same batches, charged on the batches
     # where Reflex ran; a batch where it slept ran static's own program (the plain heads), so
     # its difference is the machine's noise, reported apart (``in_loop_asleep_cost``)
