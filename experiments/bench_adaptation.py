@@ -204,6 +204,10 @@ def parse(argv):
   ap.add_argument("--trainer-sleep", type=int, default=3,
                   help="arm trainer: batches Reflex sleeps after an awake batch whose corrections "
                        "did not pay (ReflexConfig.sleep_batches; 0: never sleeps)")
+  ap.add_argument("--trainer-sleep-max", type=int, default=0,
+                  help="arm trainer: each further awake batch that did not pay doubles the "
+                       "sleep, up to this many batches (ReflexConfig.sleep_max_batches; 0: no "
+                       "backoff)")
   ap.add_argument("--calibration", type=int, default=_SMALL.calibration_batches,
                   help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=None,
@@ -237,7 +241,8 @@ def parse(argv):
   _common.check_shared_flags(a, grpo_steps=1, save_every=1, grpo_warmup=0, grpo_prompts=1,
                              grpo_group=2, grpo_max_new_tokens=1, level=0, batches=2, calibration=1,
                              slow_reservoir=2, slow_steps=1, slow_check_every=1, trainer_anchors=1,
-                             trainer_sleep=0, slow_step_chunks=0, slow_chunk_size=1,
+                             trainer_sleep=0, trainer_sleep_max=0, slow_step_chunks=0,
+                             slow_chunk_size=1,
                              node_budget=0, nodes=0, ceiling_prompts=1, ceiling_steps=1,
                              ceiling_every=1, min_gap=0.0)
   if not 0 <= a.temperature < float("inf"):
@@ -771,7 +776,8 @@ def main(argv=None):
     if arm == "trainer":
       ac = A.AdaptationConfig(
           reflex=dataclasses.replace(rcfg, stride_rows=a.trainer_stride_rows, record_capacity=0,
-                                     sleep_batches=a.trainer_sleep),
+                                     sleep_batches=a.trainer_sleep,
+                                     sleep_max_batches=a.trainer_sleep_max),
           slow=slow_config(a, "degradation"), records="trainer").for_sampling(sampling)
       runner = TrainerArm(_commit(A.init(ac, heads0)), config=config, policies=policies,
                           batches=batches, sampling=sampling, num_anchors=a.trainer_anchors,

@@ -104,6 +104,10 @@ def parse(argv):
                   help="batches Reflex sleeps (the plain heads propose: no Reflex work in the "
                        "decode loop) after a batch whose corrections did not pay; needs "
                        "--slow-records trainer or --slow-path off (ReflexConfig.sleep_batches)")
+  ap.add_argument("--reflex-sleep-max", type=int, default=0,
+                  help="with --reflex-sleep: each further awake batch that did not pay doubles "
+                       "the sleep, up to this many batches (ReflexConfig.sleep_max_batches; 0: "
+                       "no backoff)")
   ap.add_argument("--trainer-anchors", type=int,
                   default=adaptation.AdaptationConfig().trainer_anchors,
                   help="with --slow-records trainer: anchors drawn per batch from the train "
@@ -140,6 +144,7 @@ def parse(argv):
       setattr(a, name, if_syn if syn else if_gsm8k)
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
               beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0,
+              reflex_sleep_max=0,
               trainer_anchors=1, slow_step_chunks=0)
   if a.slow_refresh_budget is not None and not 0 <= a.slow_refresh_budget < float("inf"):
     cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
@@ -216,7 +221,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
     slow = slow.replace(degradation_budget=a.slow_refresh_budget)
   if a.slow_refresh_vocab is not None:
     slow = slow.replace(refresh_vocab=a.slow_refresh_vocab)
-  reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep)
+  reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep,
+                        sleep_max_batches=a.reflex_sleep_max)
   if a.slow_records == "trainer":  # the decode loop records nothing
     reflex = dataclasses.replace(reflex, record_capacity=0)
   adapt = adaptation.AdaptationConfig(reflex=reflex, slow=slow, records=a.slow_records,

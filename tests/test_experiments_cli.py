@@ -42,6 +42,8 @@ CASES = [
     ("gsm8k.py", ["--rollout", "fast"], "--rollout"),
     ("gsm8k.py", ["--reflex-sleep", "-1"], "--reflex-sleep"),
     ("gsm8k.py", ["--reflex-sleep", "2"], "--reflex-sleep"),  # rollout records: cannot sleep
+    ("gsm8k.py", ["--reflex-sleep-max", "-1"], "--reflex-sleep-max"),
+    ("bench_adaptation.py", ["--trainer-sleep-max", "-1"], "--trainer-sleep-max"),
     ("gsm8k.py", ["--trainer-anchors", "0"], "--trainer-anchors"),
     ("gsm8k.py", ["--slow-step-chunks", "-1"], "--slow-step-chunks"),
     ("bench_adaptation.py", ["--slow-step-chunks", "-2"], "--slow-step-chunks"),

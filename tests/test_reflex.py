@@ -338,6 +338,23 @@ def test_end_batch_safety_rules():
   assert int(reflex.end_batch(sleepy, g0, one).sleep) == 0
   with pytest.raises(ValueError, match="sleep_batches must be an int >= 0"):
     reflex.ReflexConfig(sleep_batches=-1)
+  # without a backoff every sleep is sleep_batches; with sleep_max_batches each further unpaid
+  # awake batch doubles the sleep up to the cap, and a paid batch starts over
+  def sleeps(cfg, outcomes):
+    g, out = reflex.init_global(cfg), []
+    for paid in outcomes:
+      g = reflex.end_batch(cfg, g, stats(0.05 if paid else -0.05))
+      out.append(int(g.sleep))
+    return out
+
+  unpaid6 = [False] * 6
+  assert sleeps(sleepy, unpaid6) == [3] * 6
+  assert sleeps(reflex.ReflexConfig(sleep_batches=3, sleep_max_batches=2), unpaid6) == [3] * 6
+  backoff = reflex.ReflexConfig(sleep_batches=3, sleep_max_batches=20)
+  assert sleeps(backoff, unpaid6) == [3, 6, 12, 20, 20, 20]
+  assert sleeps(backoff, [False, False, True, False, False]) == [3, 6, 0, 3, 6]
+  with pytest.raises(ValueError, match="sleep_max_batches must be an int >= 0"):
+    reflex.ReflexConfig(sleep_max_batches=-1)
 
 
 # ------------------------------------------------------------ stride and skipped bookkeeping

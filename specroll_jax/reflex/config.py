@@ -63,6 +63,11 @@ class ReflexConfig:
   # slow path takes none from the decode loop (AdaptationConfig.records="trainer", or the slow
   # path off).
   sleep_batches: int = 0
+  # backoff: each further awake batch that did not pay doubles the sleep after it, from
+  # sleep_batches up to sleep_max_batches (a paid batch starts over); 0 (or <= sleep_batches):
+  # every sleep is sleep_batches. Where the corrections never pay, the probes then cost
+  # O(log) batches, not one batch in sleep_batches + 1.
+  sleep_max_batches: int = 0
   apply_corrections: bool = True  # False: records and statistics only (the heads stay static)
   # root-conditioned heads (cond_heads.CondHeads): the tree expands depth by depth from the
   # beams[k-1] best partial paths (proposers.RankedHeads), at most max_nodes nodes
@@ -88,7 +93,7 @@ class ReflexConfig:
       raise ValueError(f"ReflexConfig.rho must lie in (0, 1), got {self.rho}")
     for name in ("sketch_dim", "top", "weak", "down_after", "up_after", "stride"):
       check_int(self, name, 1)
-    for name in ("share_group", "record_capacity", "sleep_batches"):
+    for name in ("share_group", "record_capacity", "sleep_batches", "sleep_max_batches"):
       check_int(self, name, 0)
     if not isinstance(self.conditioned, bool):
       raise ValueError(f"ReflexConfig.conditioned must be a bool, got {self.conditioned!r}")

@@ -20,6 +20,9 @@ class ReflexGlobal:
   below: Int[Array, " K"]  # consecutive batches whose gain upper bound was < 0
   above: Int[Array, " K"]  # consecutive batches whose gain lower bound was > 0
   sleep: Int[Array, ""]  # batches left to sleep (``ReflexConfig.sleep_batches``; 0: awake)
+  # the length of the last sleep since the last batch whose corrections paid (0: none), which
+  # the next sleep doubles (``ReflexConfig.sleep_max_batches``)
+  nap: Int[Array, ""] = None
 
 
 @flax.struct.dataclass
@@ -84,7 +87,7 @@ def init_global(cfg: ReflexConfig) -> ReflexGlobal:
   k = cfg.num_heads
   return ReflexGlobal(safety=jnp.full((k,), cfg.safety_start, jnp.float32),
                       below=jnp.zeros((k,), jnp.int32), above=jnp.zeros((k,), jnp.int32),
-                      sleep=jnp.int32(0))
+                      sleep=jnp.int32(0), nap=jnp.int32(0))
 
 
 def _reset(fast: FastState, bad) -> FastState:

@@ -114,8 +114,9 @@ class ReflexStats(Summed):
 def end_batch(cfg: ReflexConfig, glob: ReflexGlobal, stats: ReflexStats) -> ReflexGlobal:
   """Global safety per head after an awake rollout batch, from its counterfactual gain statistics
   (``stats`` as summed by the engine: gain_sum / gain_sq / gain_n per head), and the batches to
-  sleep next: ``cfg.sleep_batches`` unless some head's gain lower bound was > 0 (its corrections
-  paid), else 0."""
+  sleep next: 0 when some head's gain lower bound was > 0 (its corrections paid), else
+  ``cfg.sleep_batches`` after a paid batch (or none yet) and twice the last sleep after an unpaid
+  one, at most ``cfg.sleep_max_batches`` (never below ``sleep_batches``)."""
   n = stats.gain_n.astype(jnp.float32)
   mean = stats.gain_sum / jnp.maximum(n, 1)
   var = (stats.gain_sq - n * mean * mean) / jnp.maximum(n - 1, 1)
@@ -127,9 +128,13 @@ def end_batch(cfg: ReflexConfig, glob: ReflexGlobal, stats: ReflexStats) -> Refl
   safety = jnp.where(down, jnp.maximum(glob.safety * cfg.safety_down, cfg.safety_min), glob.safety)
   safety = jnp.where(up, jnp.minimum(safety * cfg.safety_up, cfg.safety_max), safety)
   paid = (have & (mean - cfg.gain_z * se > 0)).any()
-  sleep = jnp.where(paid, 0, cfg.sleep_batches).astype(jnp.int32)
+  nap = jnp.int32(0) if glob.nap is None else glob.nap
+  base = cfg.sleep_batches
+  longest = max(cfg.sleep_max_batches, base)
+  unpaid = jnp.where(nap > 0, jnp.minimum(2 * nap, longest), base)
+  sleep = jnp.where(paid, 0, unpaid).astype(jnp.int32)
   return ReflexGlobal(safety=safety, below=jnp.where(down, 0, below), above=jnp.where(up, 0, above),
-                      sleep=sleep)
+                      sleep=sleep, nap=sleep)
 
 
 
