@@ -43,7 +43,8 @@ policy in every batch: a null run, where any slow-path refresh is a false alarm.
                    loop; Reflex feedback every ceil(--trainer-stride-rows x active / batch rows)
                    steps, and Reflex sleeps (the plain heads propose, no in-loop cost) for
                    --trainer-sleep batches after an awake batch whose corrections did not pay
-                   (``ReflexConfig.sleep_batches``; the batch after a sleep is awake). The
+                   (``ReflexConfig.sleep_batches``; the batch after a sleep is awake), each
+                   further unpaid probe doubling the sleep up to --trainer-sleep-max. The
                    replay has no trainer, so it runs that forward (``grpo.trainer_hidden``) and
                    reports its seconds apart, not charged; the records' construction and the
                    slow path are charged as host time
@@ -204,10 +205,11 @@ def parse(argv):
   ap.add_argument("--trainer-sleep", type=int, default=3,
                   help="arm trainer: batches Reflex sleeps after an awake batch whose corrections "
                        "did not pay (ReflexConfig.sleep_batches; 0: never sleeps)")
-  ap.add_argument("--trainer-sleep-max", type=int, default=0,
+  ap.add_argument("--trainer-sleep-max", type=int, default=24,
                   help="arm trainer: each further awake batch that did not pay doubles the "
                        "sleep, up to this many batches (ReflexConfig.sleep_max_batches; 0: no "
-                       "backoff)")
+                       "backoff; 24: on the 128-row replay the same tau and recovery as 0 with "
+                       "Reflex awake in 4 batches of 41 instead of 11, docs/benchmarks.md)")
   ap.add_argument("--calibration", type=int, default=_SMALL.calibration_batches,
                   help="slow-path calibration batches")
   ap.add_argument("--node-budget", type=int, default=None,
