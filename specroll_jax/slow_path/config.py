@@ -190,7 +190,7 @@ class SlowPathConfig:
     refresh step reads half the reservoir (``step_chunks=2`` of 4 chunks, every other slot): on
     the replay it kept the full-batch steps' recovery (74.3%) at half their refresh time (session
     32). The chunks hold 384 records (``chunk_size``; :meth:`for_tests`' 64 cost the root-
-    conditioned heads' refresh twice the time in control flow and small matmuls, session 35;
+    conditioned heads' refresh 1.8 times the time in control flow and small matmuls, session 35;
     with the support-only objective a chunk's logits are [K, 384, 41], not [K, 384, V]). A firing
     refreshes the heads degraded at that check (``refresh_selection="degraded"``): on the
     replay's 128-row batches that lifted recovery from 44.7% to 65.0% (session 33). The refresh
