@@ -874,7 +874,8 @@ def gaps(results, a):
 
 def summarize(results, van_s, a) -> dict:
   ms = lambda rec: 1e3 * sum(r["seconds"] for r in rec) / sum(r["forwards"] for r in rec)
-  base_ms = ms(results["static"]) if "static" in results else None
+  static = results.get("static")
+  on_static = lambda rec: ms([static[r["batch"]] for r in rec])  # static on the same batches
   gap, qual = gaps(results, a)
   tau_static = np.array([r["tau"] for r in results["static"]]) if "static" in results else None
   out = {}
@@ -887,18 +888,15 @@ def summarize(results, van_s, a) -> dict:
     # the in-loop cost: ms per forward over static's on the same batches, charged on the batches
     # where Reflex ran; a batch where it slept ran static's own program (the plain heads), so
     # its difference is the machine's noise, reported apart (``in_loop_asleep_cost``)
-    asleep = [bool((r.get("reflex") or {}).get("asleep")) for r in rec]
-    awake = [r for r, z in zip(rec, asleep, strict=True) if not z]
+    slept = [r for r in rec if (r.get("reflex") or {}).get("asleep")]
+    awake = [r for r in rec if not (r.get("reflex") or {}).get("asleep")]
     in_loop, in_loop_s, noise = None, 0.0, None
-    if base_ms is not None and awake:
-      base = ms([results["static"][r["batch"]] for r in awake])
-      in_loop = ms(awake) / base - 1
-      in_loop_s = max(ms(awake) - base, 0.0) * sum(r["forwards"] for r in awake) / 1e3
-    elif base_ms is not None:
-      in_loop = 0.0
-    if base_ms is not None and any(asleep):
-      slept = [r for r, z in zip(rec, asleep, strict=True) if z]
-      noise = ms(slept) / ms([results["static"][r["batch"]] for r in slept]) - 1
+    if static is not None:
+      in_loop = ms(awake) / on_static(awake) - 1 if awake else 0.0
+      if awake:
+        in_loop_s = (max(ms(awake) - on_static(awake), 0.0)
+                     * sum(r["forwards"] for r in awake) / 1e3)
+      noise = ms(slept) / on_static(slept) - 1 if slept else None
     kept = sum(len((r.get("slow") or {}).get("kept") or []) for r in rec)
     back = sum(len((r.get("slow") or {}).get("rolled_back") or []) for r in rec)
     with warnings.catch_warnings():  # depths no tree reached: NaN, not a warning
@@ -918,7 +916,7 @@ def summarize(results, van_s, a) -> dict:
     s["trainer_forward_seconds"] = sum(r.get("trainer_forward_seconds") or 0.0 for r in rec)
     s["records_seconds"] = sum(r.get("records_seconds") or 0.0 for r in rec)
     # ReflexConfig.sleep_batches: batches the plain heads proposed while Reflex slept
-    s["asleep_batches"] = sum(bool((r.get("reflex") or {}).get("asleep")) for r in rec)
+    s["asleep_batches"] = len(slept)
     s["recovery_batches"] = 0
     s["recovery"] = None
     s["recovery_per_batch"] = None

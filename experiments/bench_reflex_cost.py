@@ -397,8 +397,10 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
     two = jnp.arange(k) < 2
     for label, c, mask in (("preset refresh, 1 head", small, one),
                            ("preset refresh, 2 heads", small, two),
-                           ("preset refresh, 1 head, chunks of 64",
-                            small.replace(chunk_size=64, step_chunks=12), one)):
+                           ("preset refresh, 1 head, chunks of 64",  # the same records/step
+                            small.replace(chunk_size=64,
+                                          step_chunks=small.step_chunks * small.chunk_size // 64),
+                            one)):
       c = c.refresh_settings()
       st = SP.init(c, heads, support_size=rc.support_size, num_candidates=rc.max_candidates)
       names.append(label)
@@ -474,9 +476,10 @@ def bench_model(label, config, params, heads, a, *, full_layers=None, slow_heads
         :lo]}, heads, num_heads=heads.num_heads, **kw)
   variants, pcases = proposer_cases(config, params, heads, accept=a.accept, steps=a.steps,
                                     strides=tuple(a.strides), quick=a.quick, **kw)
-  snames, scases = slow_path_cases(config, params, heads if slow_heads is None else slow_heads,
-                                   records=a.refresh_records, anchors=a.trainer_anchors,
-                                   seed=a.seed, preset=slow_heads is not None)
+  preset = slow_heads is not None
+  slow_heads = heads if slow_heads is None else slow_heads
+  snames, scases = slow_path_cases(config, params, slow_heads, records=a.refresh_records,
+                                   anchors=a.trainer_anchors, seed=a.seed, preset=preset)
   print(f"{label}: {len(cases)} verify, {len(pcases)} proposer and {len(scases)} slow-path "
         f"cases, {a.repeats} rounds", flush=True)
   times = round_robin(cases + pcases + scases, a.repeats)
@@ -534,8 +537,8 @@ def bench_model(label, config, params, heads, a, *, full_layers=None, slow_heads
     print(f"  the preset's refresh: one head {pr['one_head_ms']:.1f} ms, two heads "
           f"{pr['two_heads_ms']:.1f} ms, one head in chunks of 64 {pr['one_head_chunks64_ms']:.1f}"
           " ms", flush=True)
-  kind = type(heads if slow_heads is None else slow_heads).__name__
-  return {"label": label, "slow_heads": kind, "config": dataclasses.asdict(config),
+  return {"label": label, "slow_heads": type(slow_heads).__name__,
+          "config": dataclasses.asdict(config),
           "verify": details,
           "verify_ms": v0, "verify_top16_ms": v16, "layers_note": note, "rows": rows,
           "slow_path": slow}

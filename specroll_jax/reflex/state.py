@@ -22,7 +22,7 @@ class ReflexGlobal:
   sleep: Int[Array, ""]  # batches left to sleep (``ReflexConfig.sleep_batches``; 0: awake)
   # the length of the last sleep since the last batch whose corrections paid (0: none), which
   # the next sleep doubles (``ReflexConfig.sleep_max_batches``)
-  nap: Int[Array, ""] = None
+  nap: Int[Array, ""]
 
 
 @flax.struct.dataclass

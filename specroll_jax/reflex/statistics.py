@@ -128,10 +128,9 @@ def end_batch(cfg: ReflexConfig, glob: ReflexGlobal, stats: ReflexStats) -> Refl
   safety = jnp.where(down, jnp.maximum(glob.safety * cfg.safety_down, cfg.safety_min), glob.safety)
   safety = jnp.where(up, jnp.minimum(safety * cfg.safety_up, cfg.safety_max), safety)
   paid = (have & (mean - cfg.gain_z * se > 0)).any()
-  nap = jnp.int32(0) if glob.nap is None else glob.nap
   base = cfg.sleep_batches
   longest = max(cfg.sleep_max_batches, base)
-  unpaid = jnp.where(nap > 0, jnp.minimum(2 * nap, longest), base)
+  unpaid = jnp.where(glob.nap > 0, jnp.minimum(2 * glob.nap, longest), base)
   sleep = jnp.where(paid, 0, unpaid).astype(jnp.int32)
   return ReflexGlobal(safety=safety, below=jnp.where(down, 0, below), above=jnp.where(up, 0, above),
                       sleep=sleep, nap=sleep)
