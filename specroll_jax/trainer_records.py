@@ -14,6 +14,12 @@ ranked tree would hold on that path) and the sparse TV the monitor watches. No c
 heads as they are) and no tree: a record exists for every sampled anchor whose predicted token
 was committed, whatever the rollout proposed.
 
+One draw gives every head a record of the same predicted token: the draw picks column j (a
+committed token j + 1 after it), and head k's record reads the anchor k columns back (j - k,
+valid when >= 0), so the target's side (its unembedding, log-normaliser and top ids at token
+j + 1) is computed once per draw, not once per head. Each head's anchors are still uniform over
+the anchors whose prediction was committed, as with one anchor shared by all heads.
+
 ``grpo.TrainStep(..., return_hidden=True)`` hands the hidden states of its own forward out of the
 update (the policy before the update: the one that rolled the batch out); ``grpo.trainer_hidden``
 computes them for a trainer that cannot. ``adaptation`` takes the records through
@@ -62,44 +68,40 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
   k = heads.num_heads
   target = Target(config=config, params=params, sampling=sampling)
   rows, cols, found = sample_anchors(key, lengths, m, num_anchors)
-  h = hidden[rows, cols].astype(jnp.float32)  # [n, D]
-  # the committed path from the root (token j) on: head i reads slots 0..i, predicts j + i + 1
-  at = jnp.clip(cols[:, None] + jnp.arange(k + 1)[None], 0, m - 1)  # [n, K + 1]
-  toks = tokens[rows[:, None], at]
+  # one predicted token per draw, shared by every head: token cols + 1 (committed when found);
+  # head i reads the anchor i columns back (cols - i), so the target's side of the record (its
+  # unembedding, logsumexp and top ids at the token) is computed once for all K heads
+  label = jnp.clip(cols + 1, 0, m - 1)  # [n]
+  hl = hidden[rows, label].astype(jnp.float32)  # [n, D]
+  x = allowed_logits(_dec.logits_from_hidden(config, params, hl), sampling)
+  lse = jax.nn.logsumexp(x, axis=-1)
+  ids_p = jax.lax.top_k(x, cfg.top)[1]
+  token = tokens[rows, label]
+  depth = jnp.arange(k)
+  anchor = cols[None] - depth[:, None]  # [K, n]
+  at = jnp.clip(anchor, 0, m - 1)
+  h = hidden[rows[None], at].astype(jnp.float32)  # [K, n, D]
+  # the committed path from head i's root (token anchor) on: slots 0..i, predicting cols + 1
+  ctx = tokens[rows[None, :, None], jnp.clip(at[..., None] + depth, 0, m - 1)]  # [K, n, K]
+  path = jnp.where(depth[None, None] <= depth[:, None, None], ctx, -1)
+  z = jnp.stack([head_kinds.output_states(config, params, heads, i, h[i], path[i])
+                 for i in range(k)]).astype(jnp.float32)  # [K, n, D]
+  q = _dec.logits_from_hidden(config, params, z)
   cmax = cfg.max_candidates
-  out = {f: [] for f in ("hidden", "support", "p", "p_tail", "token", "candidates", "hit", "tv",
-                         "position", "valid", "path")}
-  for i in range(k):
-    path = jnp.where(jnp.arange(k)[None] <= i, toks[:, :k], -1)  # [n, K]
-    z = head_kinds.output_states(config, params, heads, i, h, path).astype(jnp.float32)
-    q = _dec.logits_from_hidden(config, params, z)
-    ids_q, cand = _topk.top_ids(q, cfg.top, cmax)  # one top-k over V, two prefixes
-    cand = jnp.where(jnp.arange(cmax)[None] < cfg.topk[i], cand, -1)
-    label = jnp.clip(cols + i + 1, 0, m - 1)
-    hl = hidden[rows, label].astype(jnp.float32)
-    x = allowed_logits(_dec.logits_from_hidden(config, params, hl), sampling)
-    lse = jax.nn.logsumexp(x, axis=-1)
-    ids_p = jax.lax.top_k(x, cfg.top)[1]
-    token = toks[:, i + 1]
-    mt = feedback(cfg, target, z, ids_q, ids_p, token, cand, cand, cand, hl, lse)
-    valid = found & (cols + i + 1 < lengths[rows])
-    out["hidden"].append(h)
-    out["support"].append(mt.support)
-    out["p"].append(mt.p)
-    out["p_tail"].append(mt.p_tail)
-    out["token"].append(token)
-    out["candidates"].append(cand)
-    out["hit"].append(_records.member(token[:, None], cand)[:, 0])
-    out["tv"].append(mt.tv)
-    out["position"].append(prompt_lengths[rows] + cols + i + 1)
-    out["valid"].append(valid & jnp.isfinite(mt.tv) & jnp.isfinite(mt.p).all(-1))
-    out["path"].append(path)
-  st = {f: jnp.stack(v) for f, v in out.items()}  # [K, n, ...]
-  if not head_kinds.is_conditioned(heads):
-    st["path"] = None
+  ids_q, cand = _topk.top_ids(q, cfg.top, cmax)  # one top-k over V, two prefixes
+  cand = jnp.where(jnp.arange(cmax) < jnp.asarray(cfg.topk)[:, None, None], cand, -1)
+  every = lambda v: jnp.broadcast_to(v[None], (k,) + v.shape)  # the shared side, per head
+  tok_k = every(token)
+  mt = feedback(cfg, target, z, ids_q, every(ids_p), tok_k, cand, cand, cand, every(hl),
+                every(lse))
+  valid = found[None] & (anchor >= 0) & jnp.isfinite(mt.tv) & jnp.isfinite(mt.p).all(-1)
   # count: records written per head (what the monitor counts, ``slow_path.batch_stats``)
-  return _records.Records(**st, correction=jnp.zeros_like(st["hidden"]),
-                          count=st["valid"].sum(1).astype(jnp.int32))
+  return _records.Records(
+      hidden=h, support=mt.support, p=mt.p, p_tail=mt.p_tail, token=tok_k, candidates=cand,
+      hit=_records.member(tok_k[..., None], cand)[..., 0], tv=mt.tv,
+      position=every(prompt_lengths[rows] + label), valid=valid,
+      path=path if head_kinds.is_conditioned(heads) else None, correction=jnp.zeros_like(h),
+      count=valid.sum(1).astype(jnp.int32))
 
 
 _build_jit = jax.jit(_build, static_argnums=(0, 1, 2, 3))
@@ -113,10 +115,11 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
   (``hidden[b, j]``: the pre-norm hidden state whose logits sample response token j, as
   ``grpo.trainer_hidden`` and ``TrainStep(return_hidden=True)`` give them) of the finished
   responses ``tokens`` (``lengths``, EOS included) after prompts of ``prompt_lengths``, under the
-  target ``params`` and the rollout's ``sampling``. ``key`` draws the anchors; head k's record at
-  an anchor is valid when its predicted token was committed. The records' shape does not depend
-  on the batch: when it holds fewer than ``num_anchors`` anchors, all are taken and the remaining
-  records are invalid (``valid`` False, ``count`` counts the valid ones). ``cfg`` fixes the
+  target ``params`` and the rollout's ``sampling``. ``key`` draws ``num_anchors`` columns j that
+  predict a committed token (:func:`sample_anchors`); head k's record at draw (row, j) reads the
+  anchor j - k and predicts token j + 1, and is valid when j - k >= 0. The records' shape does
+  not depend on the batch: when it holds fewer than ``num_anchors`` anchors, all are taken and the
+  remaining records are invalid (``valid`` False, ``count`` counts the valid ones). ``cfg`` fixes the
   support and candidate shapes (those of the slow path's reservoir: ``slow_path.init`` with
   ``support_size=cfg.support_size, num_candidates=cfg.max_candidates``). Jitted; ``cfg``,
   ``config``, ``sampling`` and ``num_anchors`` are static."""

@@ -50,32 +50,34 @@ def test_records_match_an_independent_computation(trained_model, batch):
   assert found.all() and len(set(zip(rows, cols, strict=True))) == N  # distinct anchors
   assert (cols + 1 < lens[rows]).all()
   hid = np.asarray(hid)
-  # independent: every head along the committed path at once, the target's full softmax
-  ctx = toks[rows[:, None], np.minimum(cols[:, None] + np.arange(3), M - 1)]
-  q_all = np.asarray(CH.apply(config, params, heads, jnp.asarray(hid[rows, cols]),
-                              jnp.asarray(ctx)))  # [N, K, V]
-  lab = np.minimum(cols[:, None] + np.arange(1, 4), M - 1)
+  # independent: each head along its own committed path (head i from the anchor i columns back,
+  # all predicting token cols + 1), the target's full softmax at that token
+  anc = cols[:, None] - np.arange(3)  # [N, K]
+  ctx = [toks[rows[:, None], np.clip(anc[:, i:i + 1] + np.arange(3), 0, M - 1)] for i in range(3)]
+  q_all = np.stack([np.asarray(CH.apply(config, params, heads,
+                                        jnp.asarray(hid[rows, np.maximum(anc[:, i], 0)]),
+                                        jnp.asarray(ctx[i])))[:, i] for i in range(3)], 1)
+  lab = cols + 1
   p_all = np.asarray(jax.nn.softmax(allowed_logits(_dec.logits_from_hidden(
-      config, params, jnp.asarray(hid[rows[:, None], lab])), SAMPLING), axis=-1))  # [N, K, V]
+      config, params, jnp.asarray(hid[rows, lab])), SAMPLING), axis=-1))  # [N, V]
   valid = np.asarray(rec.valid)
   np.testing.assert_array_equal(np.asarray(rec.count), valid.sum(1))  # what the monitor counts
   checked = 0
   for i in range(3):
-    np.testing.assert_array_equal(valid[i], cols + i + 1 < lens[rows])
-    np.testing.assert_array_equal(np.asarray(rec.token[i])[valid[i]],
-                                  toks[rows, np.minimum(cols + i + 1, M - 1)][valid[i]])
-    np.testing.assert_array_equal(np.asarray(rec.position[i])[valid[i]],
-                                  (plens[rows] + cols + i + 1)[valid[i]])
-    np.testing.assert_allclose(np.asarray(rec.hidden[i]), hid[rows, cols], atol=1e-6)
+    np.testing.assert_array_equal(valid[i], anc[:, i] >= 0)
+    np.testing.assert_array_equal(np.asarray(rec.token[i]), toks[rows, lab])
+    np.testing.assert_array_equal(np.asarray(rec.position[i]), plens[rows] + lab)
+    np.testing.assert_allclose(np.asarray(rec.hidden[i])[valid[i]],
+                               hid[rows, anc[:, i]][valid[i]], atol=1e-6)
     path = np.asarray(rec.path[i])
-    np.testing.assert_array_equal(path[:, : i + 1], ctx[:, : i + 1])
+    np.testing.assert_array_equal(path[valid[i], : i + 1], ctx[i][valid[i], : i + 1])
     assert (path[:, i + 1:] == -1).all()
     for n in np.flatnonzero(valid[i]):
       s = np.asarray(rec.support[i, n])
       used = s >= 0
       ids = s[used]
       assert len(set(ids.tolist())) == len(ids)
-      p, q = p_all[n, i], q_all[n, i]
+      p, q = p_all[n], q_all[n, i]
       top_p = np.argsort(-p)[:4]
       assert set(top_p.tolist()) <= set(ids.tolist())  # the target's top ids are on it
       assert int(rec.token[i, n]) in ids
@@ -92,6 +94,24 @@ def test_records_match_an_independent_computation(trained_model, batch):
       checked += 1
   assert checked > 2 * N  # most anchors predict three committed tokens
   assert not np.asarray(rec.correction).any()
+
+
+def test_every_draw_taken_gives_each_head_every_committed_prediction_once(trained_model, batch):
+  """Heads share the predicted token of a draw and read anchors k columns back: with every
+  draw taken, head k has one record per anchor whose prediction (k + 1 tokens on) was
+  committed, as if it had drawn its own anchors."""
+  config, params, _ = trained_model
+  arr, plens, toks, lens, hid, heads = batch
+  rec = TR.from_hidden(CFG, config, params, heads, hid, toks, lens, plens, sampling=SAMPLING,
+                       key=jax.random.key(3), num_anchors=8 * M)
+  hid = np.asarray(hid)
+  for k in range(3):
+    v = np.asarray(rec.valid[k])
+    want = {(r, a) for r in range(8) for a in range(M) if a + k + 1 < lens[r]}
+    # the anchor of each valid record, found back from its hidden state (rows' states differ)
+    got = [tuple(np.argwhere((hid == h).all(-1))[0]) for h in np.asarray(rec.hidden[k])[v]]
+    assert len(got) == len(want) and set(got) == want
+    assert int(rec.count[k]) == len(want)
 
 
 def test_from_rollout_is_from_hidden_after_the_trainer_forward(trained_model, batch):
