@@ -59,7 +59,7 @@ policy in every batch: a null run, where any slow-path refresh is a false alarm.
   (g) lookup       ``GroupLookup`` alone (own text + siblings, group_size = --group)
   (h) merged       ``Merged(RankedHeads, GroupLookup)`` whose heads at batch b are arm (d)'s heads
                    at batch b: (d)'s slow-path heads, *not* its in-loop Reflex corrections (the
-                   library has no Reflex + lookup proposer); (d) runs first
+                   library has no Reflex + lookup proposer)
 The slow-path arms run ``SlowPathConfig.for_tests`` windows (a 41-batch replay, not thousands)
 with --calibration batches, a check every --slow-check-every batches, z > --slow-z and an
 acceptance drop of --slow-acc-drop (--slow-signal tv; with regret: a rise of the acceptance the
@@ -79,7 +79,10 @@ mean tau, tau over the first 5 / last 10 batches, recovery as a share of the (a)
 PASS / MISS (SKIP when an arm they need was not run): (d) recovers >= 50% of the gap where it
 exceeds --min-gap; (d) >= max((b), (c)) in mean tau; (d)'s adaptation <= 5% of its rollout time.
 A gap that never exceeds --min-gap is reported as drift that did not stale the heads. Compile is
-excluded (a warm-up call per arm; the slow path's refresh compile is reported apart). Writes JSON
+excluded (a warm-up call per arm; the slow path's refresh compile is reported apart). The arms take
+turns within each batch (the order rotating by one per batch), so each arm's batch b is timed
+within seconds of (a)'s: the in-loop cost compares the same batch on the same machine state, and
+the ceiling's own difference against (a) (it runs (a)'s program) is the noise that remains. Writes JSON
 and a PNG beside it (tau per batch per arm; KL to step 0 and entropy per policy; recovered share).
 
 Cost on 2 CPU cores: a ceiling fit at the defaults (512 prompts, 1500 steps) takes about 50 s,
@@ -522,8 +525,10 @@ def _commit(tree):
 
 
 def _release():
-  """Drop compiled programs no later arm reuses: each speculative rollout program holds ~3k memory
-  mappings (XLA:CPU maps every kernel), and one process may hold 65530."""
+  """Drop compiled programs nothing later reuses: each speculative rollout program holds ~3k
+  memory mappings (XLA:CPU maps every kernel), and one process may hold 65530. The arms take
+  turns per batch, so all of their programs are live at once: all ten arms peaked at about 27k
+  mappings (3 batches of 128 rows, default buckets)."""
   import gc
   jax.clear_caches()
   gc.collect()
@@ -538,6 +543,10 @@ class AdaptArm:
 
   def kwargs(self, b):
     return {"adaptation": self.state}, 0.0
+
+  def heads_at(self, b: int):
+    """The heads batch ``b`` proposed with (or, before that batch ran, proposes with)."""
+    return self.heads[b] if b < len(self.heads) else self.state.heads
 
   def warm(self, out) -> None:
     """Nothing more to warm up: the warm-up rollout ran ``after_rollout`` (its state dropped)."""
@@ -766,15 +775,9 @@ def main(argv=None):
   gl = GroupLookup(group_size=a.group)
   mg = Merged(heads=ranked, lookup=gl, max_nodes=rcfg.max_nodes)
   calibrate = not a.no_calibration
-  results, warmup_s, both_heads = {}, {}, None
-  heads0 = _commit(heads0)  # the ranked arms pass heads as they are, committed like the policies
-  if ceiling is not None:
-    c_heads = [_commit(h) for h in c_heads]
-  # static, ceiling, then trainer when it sleeps: one program (the ranked heads, other
-  # parameters; a sleeping Reflex proposes with the plain ranked heads), compiled once
-  ranked_arms = ("static", "ceiling") + (("trainer",) if a.trainer_sleep > 0 else ())
-  order = sorted(a.arms, key=lambda x: (x not in ranked_arms, ARMS.index(x)))
-  for i, arm in enumerate(order):
+  warmup_s, runners = {}, {}
+  order = sorted(a.arms, key=lambda x: (x not in ("static", "ceiling"), ARMS.index(x)))
+  for arm in order:
     if arm == "trainer":
       ac = A.AdaptationConfig(
           reflex=dataclasses.replace(rcfg, stride_rows=a.trainer_stride_rows, record_capacity=0,
@@ -802,8 +805,8 @@ def main(argv=None):
     elif arm == "lookup":
       runner = ProposerArm(gl, lambda b, t: gl.context(
           None if t is None else t.reshape(gl.acceptance_shape)), calibrate=calibrate)
-    else:  # merged: arm both's heads at batch b
-      runner = ProposerArm(mg, lambda b, t, hs=both_heads: mg.params(hs[b], t),
+    else:  # merged: arm both's heads at batch b (those it proposes batch b with)
+      runner = ProposerArm(mg, lambda b, t, both=runners["both"]: mg.params(both.heads_at(b), t),
                            calibrate=calibrate)
     gk, _ = runner.kwargs(0)
     t = time.perf_counter()  # warm-up (compile); its output state is discarded
@@ -815,9 +818,16 @@ def main(argv=None):
                                              **extra, **kw(0)).tokens)
     warmup_s[arm] = time.perf_counter() - t
     del warm
-    rec = []
-    for b in progress_range(a.batches, f"arm {arm}"):
-      pb = policies.get(b)
+    runners[arm] = runner
+  # the arms take turns within each batch, the order rotating by one per batch: every arm's
+  # batch b runs within seconds of the others', so the machine's drift over the run (this VM's
+  # speed moves by tens of percent) cancels from the per-batch comparisons against (a)
+  results = {arm: [] for arm in order}
+  for b in progress_range(a.batches, f"arms {', '.join(order)} (in turn per batch)"):
+    pb = policies.get(b)
+    for j in range(len(order)):
+      arm = order[(b + j) % len(order)]
+      runner = runners[arm]
       gk, host_before = runner.kwargs(b)
       t = time.perf_counter()
       out = rollout.generate(config, pb, batches[b][0], spec=spec, **gk, **kw(b))
@@ -829,18 +839,16 @@ def main(argv=None):
       acc = np.where(np.asarray(st.head_proposed) > 0, np.asarray(st.head_acceptance), np.nan)
       same = bool((np.asarray(out.tokens) == ref[b][0]).all()
                   and (np.asarray(out.lengths) == ref[b][1]).all())
-      rec.append({"batch": b, "policy_step": policies.steps[b], "tau": st.tokens_per_forward,
-                  "depth1": None if not np.isfinite(acc[0]) else float(acc[0]),
-                  "acceptance": _nan_to_none(acc), "same": same,
-                  "forwards": st.forwards, "seconds": sec - in_gen,
-                  "ms_per_forward": 1e3 * (sec - in_gen) / (st.forwards),
-                  "adaptation_seconds": host + host_before, "compile_seconds": comp, **info})
-    results[arm] = rec
-    if isinstance(runner, AdaptArm) and runner.heads is not None:
-      both_heads = runner.heads
-    del runner
-    if not (arm in ranked_arms and order[i + 1:i + 2] and order[i + 1] in ranked_arms):
-      _release()  # the next arm compiles its own programs
+      results[arm].append({
+          "batch": b, "policy_step": policies.steps[b], "tau": st.tokens_per_forward,
+          "depth1": None if not np.isfinite(acc[0]) else float(acc[0]),
+          "acceptance": _nan_to_none(acc), "same": same, "turn": j,
+          "forwards": st.forwards, "seconds": sec - in_gen,
+          "ms_per_forward": 1e3 * (sec - in_gen) / (st.forwards),
+          "adaptation_seconds": host + host_before, "compile_seconds": comp, **info})
+      del out
+  del runners
+  _release()
   results = {x: results[x] for x in a.arms}
   summary, goals = report(results, pol, van_s, a)
   meta = {"command": "experiments/bench_adaptation.py " + " ".join(

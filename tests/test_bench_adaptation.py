@@ -47,6 +47,12 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
     assert all(r["same"] for r in rec), arm
     assert all(np.isfinite(r["tau"]) and r["tau"] >= 1.0 for r in rec), arm
     assert data["summary"][arm]["all_same"] is True
+  # the arms take turns within each batch, the first of them rotating by one per batch
+  arms = list(data["arms"])
+  for b in range(3):
+    assert sorted(data["arms"][x][b]["turn"] for x in arms) == list(range(len(arms)))
+  firsts = [next(x for x in arms if data["arms"][x][b]["turn"] == 0) for b in range(3)]
+  assert len(set(firsts)) == 3
   # arm trainer: records from the trainer's forward each batch, the slow path saw them
   for r in data["arms"]["trainer"]:
     assert r["trainer_forward_seconds"] > 0 and r["records_seconds"] > 0
