@@ -221,7 +221,8 @@ def _proposer_run(proposer, config, sampling, *, rows: int, nodes: int, accept: 
           path_hidden=path_hidden, active=jnp.ones((rows,), bool), done=jnp.zeros((rows,), bool),
           row=rid, sample_ids=rid, topm_ids=ids,
           topm_logprobs=jnp.broadcast_to(-1.0 - jnp.arange(topm, dtype=jnp.float32), ids.shape),
-          lse=jnp.zeros((rows, d1), jnp.float32), history=jnp.zeros((rows, 1), jnp.int32))
+          lse=jnp.zeros((rows, d1), jnp.float32), floor=jnp.full((rows, d1), -jnp.inf),
+          history=jnp.zeros((rows, 1), jnp.int32))
       state, stats = proposer.update(target, pparams, state, fb)
       acc = acc + tr.tokens.sum() + sum(jnp.sum(x).astype(jnp.int32) for x in
                                         jax.tree.leaves(stats))

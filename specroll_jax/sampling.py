@@ -120,6 +120,17 @@ def allowed_logits(logits: Float[Array, "*R V"], cfg: SamplingConfig) -> Float[A
   return x
 
 
+def allowed_floor(x: Float[Array, "*R V"], cfg: SamplingConfig) -> Float[Array, "*R"]:
+  """The smallest allowed logit of ``allowed_logits``' output ``x``: the tokens sampling may
+  draw are exactly those with ``x >= floor`` (top-k and top-p each keep a prefix of the sorted
+  logits, ties included). -inf when every token is allowed (greedy's reported distribution, or no
+  top-k / top-p), so a token's probability recomputed elsewhere from its logit and the logsumexp
+  of ``x`` is the sampler's only where that logit is at least the floor (``reflex.feedback``)."""
+  if cfg.greedy or cfg.plain:
+    return jnp.full(x.shape[:-1], -jnp.inf, jnp.float32)
+  return jnp.min(jnp.where(x > MASKED_LOGIT / 2, x, jnp.inf), axis=-1)
+
+
 def first_argmax(x):
   """argmax over the last axis with jnp.argmax's rule (first maximal index), via max + min-index:
   several times faster than jnp.argmax on XLA CPU. A row without a maximum (NaN) gives index 0."""

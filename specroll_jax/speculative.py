@@ -150,6 +150,7 @@ class _Step:
   topm_ids: Any = None
   topm_logprobs: Any = None
   lse: Any = None
+  floor: Any = None
 
 
 def _plain(config, params, s: SpecState, eos_ids, seed, settings: DecodeSettings,
@@ -187,7 +188,7 @@ def _verified(config, params, s: SpecState, res: _verify.VerifyResult, tr: _tree
   return _Step(tree=tr, em=em, cache=cache, path_len=res.path_len, tokens=res.tokens,
                path_hidden=res.hidden, path=res.path, target_tokens=res.target_tokens,
                accepted=res.accepted, topm_ids=res.topm_ids, topm_logprobs=res.topm_logprobs,
-               lse=res.lse)
+               lse=res.lse, floor=res.floor)
 
 
 def _gated_verify(config, params, s: SpecState, tr: _tree.Tree, go, seed,
@@ -270,7 +271,7 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
                   path_len=jnp.where(active, path_len, 0), tokens=tokens, keep=em.keep,
                   position=length, hidden=sl.hidden, path_hidden=path_hidden, active=active,
                   done=em.done, row=sl.row, sample_ids=sl.sample_ids, topm_ids=st.topm_ids,
-                  topm_logprobs=st.topm_logprobs, lse=st.lse, history=history)
+                  topm_logprobs=st.topm_logprobs, lse=st.lse, floor=st.floor, history=history)
     pstate, pstats = _contract.check_update_output(
         proposer, proposer.update(target, proposer_params, pstate, fb))
     _contract.check_step_state(proposer, start, proposed, pstate)  # trace time: shapes only

@@ -44,7 +44,7 @@ from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers.base import Target
 from specroll_jax.reflex.config import ReflexConfig
 from specroll_jax.reflex.feedback import feedback
-from specroll_jax.sampling import SamplingConfig, allowed_logits
+from specroll_jax.sampling import SamplingConfig, allowed_floor, allowed_logits
 
 
 def sample_anchors(key, lengths: Int[Array, " B"], max_len: int, num_anchors: int):
@@ -75,6 +75,7 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
   hl = hidden[rows, label].astype(jnp.float32)  # [n, D]
   x = allowed_logits(_dec.logits_from_hidden(config, params, hl), sampling)
   lse = jax.nn.logsumexp(x, axis=-1)
+  floor = allowed_floor(x, sampling)
   ids_p = jax.lax.top_k(x, cfg.top)[1]
   token = tokens[rows, label]
   depth = jnp.arange(k)
@@ -93,7 +94,7 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
   every = lambda v: jnp.broadcast_to(v[None], (k,) + v.shape)  # the shared side, per head
   tok_k = every(token)
   mt = feedback(cfg, target, z, ids_q, every(ids_p), tok_k, cand, cand, cand, every(hl),
-                every(lse))
+                every(lse), every(floor))
   valid = found[None] & (anchor >= 0) & jnp.isfinite(mt.tv) & jnp.isfinite(mt.p).all(-1)
   # count: records written per head (what the monitor counts, ``slow_path.batch_stats``)
   return _records.Records(

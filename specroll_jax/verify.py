@@ -33,18 +33,21 @@ class VerifyResult:
   v_path: Float[Array, "Ly R D1 Hkv Dh"]
   target_tokens: Int[Array, "R N1"]  # the target's sample at every node (for adaptation)
   accepted: Bool[Array, "R N1"]
-  # with topm > 0: the sampling distribution at each path node (its top-m ids and log-probs and
-  # the logsumexp of its tempered, restricted logits)
+  # with topm > 0: the sampling distribution at each path node (its top-m ids and log-probs,
+  # the logsumexp of its tempered, restricted logits and the smallest logit the restriction
+  # allows: ``sampling.allowed_floor``)
   topm_ids: Int[Array, "R D1 M"] | None = None
   topm_logprobs: Float[Array, "R D1 M"] | None = None
   lse: Float[Array, "R D1"] | None = None
+  floor: Float[Array, "R D1"] | None = None
 
 
-def path_distribution(x_path, topm: int):
-  """(top-m ids, their log-probs, logsumexp) of sampling-distribution logits x [..., V]."""
+def path_distribution(x_path, topm: int, sampling: _sampling.SamplingConfig):
+  """(top-m ids, their log-probs, logsumexp, allowed floor) of sampling-distribution logits
+  x [..., V] (``allowed_logits`` under ``sampling``)."""
   lse = jax.nn.logsumexp(x_path, axis=-1)
   top_x, ids = jax.lax.top_k(x_path, topm)
-  return ids, top_x - lse[..., None], lse
+  return ids, top_x - lse[..., None], lse, _sampling.allowed_floor(x_path, sampling)
 
 
 def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: Int[Array, " R"],
@@ -69,17 +72,17 @@ def verify(config, params, tree: Tree, cache: _dec.KVCache, seed, sample_ids: In
   acc, path, path_len = accept(tree, tgt, max_depth)
   take = lambda x: jnp.take_along_axis(x, path, axis=1)
   hidden = jnp.take_along_axis(out.hidden, path[:, :, None], axis=1)
-  dist = (None, None, None)
+  dist = (None, None, None, None)
   if topm > 0:
     if logits is None:
       logits_path = _dec.logits_from_hidden(config, params, hidden)
     else:
       logits_path = jnp.take_along_axis(logits, path[:, :, None], axis=1)
-    dist = path_distribution(_sampling.allowed_logits(logits_path, sampling), topm)
+    dist = path_distribution(_sampling.allowed_logits(logits_path, sampling), topm, sampling)
   kv_idx = path[None, :, :, None, None]
   return VerifyResult(tokens=take(tgt), logprobs=take(lp), nonfinite=take(nf), path=path,
                       path_len=path_len, hidden=hidden,
                       k_path=jnp.take_along_axis(out.k_new, kv_idx, axis=2),
                       v_path=jnp.take_along_axis(out.v_new, kv_idx, axis=2),
                       target_tokens=tgt, accepted=acc, topm_ids=dist[0], topm_logprobs=dist[1],
-                      lse=dist[2])
+                      lse=dist[2], floor=dist[3])

@@ -31,6 +31,7 @@ def _config(sampling, mode="every_batch"):
 @pytest.mark.parametrize("sampling", [
     pytest.param(SamplingConfig(temperature=0.0), marks=pytest.mark.slow),
     pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.0, top_k=3), marks=pytest.mark.slow),
     SamplingConfig(temperature=1.0)], ids=str)
 def test_reflex_and_slow_path_never_change_tokens(trained_model, gsm8k_prompts, sampling,
                                                   tmp_path):
@@ -67,6 +68,12 @@ def test_reflex_and_slow_path_never_change_tokens(trained_model, gsm8k_prompts, 
                  for a, b in zip(jax.tree.leaves(state.heads), jax.tree.leaves(new.heads),
                                  strict=True))
     state = new
+    if sampling.top_k:  # the records' p is the restricted target's: at most top_k ids carry mass
+      res = state.slow.reservoir
+      valid = np.asarray(res.valid)
+      held = (np.asarray(res.p) > 0).sum(-1)[valid]
+      assert valid.sum() > 0 and held.max() <= sampling.top_k
+      assert (np.asarray(res.support)[valid] >= 0).sum(-1).max() > sampling.top_k
   assert corrected > 0 and refreshed > 0  # both paths really acted between and inside batches
   assert sizes[1] == sizes[0] and sizes[2] == sizes[0]  # new heads / safety: no recompile
   with Checkpointer(tmp_path / "ckpt", async_save=False) as ck:

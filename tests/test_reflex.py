@@ -89,6 +89,50 @@ def test_feedback_matches_numpy(small, temperature):
   assert float(mt2.tv) < float(mt.tv)
 
 
+def test_feedback_under_a_top_k_restriction_gives_disallowed_ids_no_mass(small):
+  """With top-k sampling the target's p is the restricted softmax: an id on S below the
+  restriction's floor (a head's top id, a candidate, top-m padding) gets p 0; the tail and the
+  candidates' miss are of the allowed mass; floor -inf is no restriction."""
+  c, p, w, scale = small
+  cfg = reflex.ReflexConfig(top=3, topk=(3, 2, 2), weak=2)
+  rng = np.random.default_rng(3)
+  head_out = rng.normal(size=D).astype(np.float32)
+  path_h = rng.normal(size=D).astype(np.float32)
+  x_q = _np_norm(head_out, scale) @ w.T
+  x_p = _np_norm(path_h, scale) @ w.T
+  order = np.argsort(-x_p)
+  allowed = order[:2]  # top-k 2
+  p_full = np.zeros(V)
+  p_full[allowed] = _softmax(x_p[allowed])
+  lse = float(np.log(np.exp(x_p[allowed]).sum()))
+  floor = float(x_p[order[1]])
+  ids_q = np.argsort(-x_q)[:3]
+  ids_p = order[:3]  # a top-m wider than the allowed set: its third id is masked
+  token = int(order[1])
+  cand = np.array([int(ids_q[0]), int(order[0]), -1])
+  target = Target(config=c, params=p, sampling=SamplingConfig(temperature=1.0, top_k=2))
+  args = [jnp.asarray(x) for x in (head_out, ids_q, ids_p, token, cand, cand, cand, path_h, lse)]
+  mt = reflex.feedback(cfg, target, *args, jnp.float32(floor))
+  s = sorted({*map(int, ids_q), *map(int, ids_p), token, *(int(i) for i in cand if i >= 0)})
+  assert {int(i) for i in ids_q} - {int(i) for i in allowed}  # a disallowed id on S
+  ps = p_full[s] / p_full[s].sum()
+  sup, pp = np.asarray(mt.support), np.asarray(mt.p)
+  got = {int(i): float(v) for i, v in zip(sup, pp, strict=True) if i >= 0}
+  assert sorted(got) == s
+  np.testing.assert_allclose([got[i] for i in s], ps, atol=1e-6)
+  assert all(got[i] == 0.0 for i in s if i not in set(allowed.tolist()))
+  np.testing.assert_allclose(float(mt.p_tail), 1 - p_full[s].sum(), atol=1e-6)
+  np.testing.assert_allclose(float(mt.tv), 0.5 * np.abs(ps - _softmax(x_q[s])).sum(), atol=1e-5)
+  cset = {int(i) for i in cand if i >= 0}
+  np.testing.assert_allclose(float(mt.out), 1 - sum(p_full[i] for i in cset), atol=1e-6)
+  # no restriction: floor -inf gives what no floor gives
+  free = Target(config=c, params=p, sampling=SamplingConfig(temperature=1.0))
+  a = reflex.feedback(cfg, free, *args)
+  b = reflex.feedback(cfg, free, *args, jnp.float32(-jnp.inf))
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.parametrize("n_due", [12, 13])  # all R * K compact; one more: dense
 def test_feedback_of_due_records_only_equals_dense(small, n_due):
   """The matured records' feedback is computed on the due ones alone (gathered, R * K = 12 of

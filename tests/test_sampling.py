@@ -103,6 +103,30 @@ def test_allowed_logits_top_k_mask(top_k, temperature):
   np.testing.assert_allclose(x[keep], (logits / np.float32(temperature))[keep], rtol=1e-6)
 
 
+@pytest.mark.parametrize("cfg", [SamplingConfig(temperature=0.7, top_k=3),
+                                 SamplingConfig(temperature=1.0, top_p=0.8),
+                                 SamplingConfig(temperature=0.5, top_k=5, top_p=0.6),
+                                 SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.0)],
+                         ids=str)
+def test_allowed_floor_is_the_smallest_allowed_logit(cfg):
+  """The tokens sampling may draw are exactly those whose (tempered) logit is at least the
+  floor, ties at the k-th logit included; -inf without a restriction."""
+  rng = np.random.default_rng(5)
+  logits = rng.normal(size=(16, V)).astype(np.float32) * 3
+  logits[0, :4] = logits[0].max() + 1.0  # a tie at the top: top-k 3 keeps all four
+  x = sampling.allowed_logits(jnp.asarray(logits), cfg)
+  floor = np.asarray(sampling.allowed_floor(x, cfg))
+  assert floor.shape == (16,)
+  if cfg.greedy or cfg.plain:
+    assert np.isneginf(floor).all()
+    return
+  x = np.asarray(x)
+  tempered = np.asarray(jnp.asarray(logits) * sampling.inverse_temperature(cfg.temperature))
+  np.testing.assert_array_equal(~_masked(x), tempered >= floor[:, None])
+  if cfg.top_k:
+    assert (~_masked(x)).sum(1)[0] >= 4
+
+
 # --- (c) top-p ------------------------------------------------------------------------------------
 
 

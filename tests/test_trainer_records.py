@@ -37,11 +37,16 @@ def batch(trained_model, gsm8k_prompts):
   return arr, np.asarray(plens), np.asarray(out.tokens), np.asarray(out.lengths), hid, heads
 
 
-def test_records_match_an_independent_computation(trained_model, batch):
+@pytest.mark.parametrize("sampling", [SAMPLING, SamplingConfig(temperature=0.8, top_k=6)],
+                         ids=["plain", "top-k"])
+def test_records_match_an_independent_computation(trained_model, batch, sampling):
+  """Under a top-k restriction the target's p is the restricted softmax: the head's top ids and
+  the top-16 support outside the 6 allowed tokens have p 0, and the tail is what S misses of
+  the allowed mass."""
   config, params, _ = trained_model
   arr, plens, toks, lens, hid, heads = batch
   key = jax.random.key(7)
-  rec = TR.from_hidden(CFG, config, params, heads, hid, toks, lens, plens, sampling=SAMPLING,
+  rec = TR.from_hidden(CFG, config, params, heads, hid, toks, lens, plens, sampling=sampling,
                        key=key, num_anchors=N)
   assert rec.hidden.shape == (3, N, config.hidden_size)
   assert rec.support.shape == (3, N, CFG.support_size)
@@ -59,7 +64,8 @@ def test_records_match_an_independent_computation(trained_model, batch):
                                         jnp.asarray(ctx[i])))[:, i] for i in range(3)], 1)
   lab = cols + 1
   p_all = np.asarray(jax.nn.softmax(allowed_logits(_dec.logits_from_hidden(
-      config, params, jnp.asarray(hid[rows, lab])), SAMPLING), axis=-1))  # [N, V]
+      config, params, jnp.asarray(hid[rows, lab])), sampling), axis=-1))  # [N, V]
+  q_all = q_all / sampling.temperature  # the heads' logits, tempered like the records' p
   valid = np.asarray(rec.valid)
   np.testing.assert_array_equal(np.asarray(rec.count), valid.sum(1))  # what the monitor counts
   checked = 0
@@ -91,6 +97,8 @@ def test_records_match_an_independent_computation(trained_model, batch):
       qs = np.exp(q[ids] - q[ids].max())
       qs /= qs.sum()
       np.testing.assert_allclose(float(rec.tv[i, n]), 0.5 * np.abs(ps - qs).sum(), atol=2e-5)
+      if sampling.top_k:
+        assert (p > 0).sum() == sampling.top_k and (np.asarray(rec.p[i, n])[used] == 0).any()
       checked += 1
   assert checked > 2 * N  # most anchors predict three committed tokens
   assert not np.asarray(rec.correction).any()

@@ -102,11 +102,13 @@ class Feedback:
   sample_ids: Int[Array, " R"]
   # Only when the proposer sets feedback_topm = m > 0: the target's sampling distribution at each
   # path node (the distribution tokens[:, j] was drawn from): its top-m ids and log-probabilities,
-  # and the logsumexp of its tempered (top-k/top-p restricted) logits, so a proposer can get the
-  # exact probability of any other id from path_hidden. Never [R, N, V].
+  # the logsumexp of its tempered (top-k/top-p restricted) logits and the restriction's floor, so
+  # a proposer can get the exact probability of any other id from path_hidden: exp(logit - lse)
+  # where the tempered logit is at least ``floor``, else 0. Never [R, N, V].
   topm_ids: Int[Array, "R D1 M"] | None = None
   topm_logprobs: Float[Array, "R D1 M"] | None = None
   lse: Float[Array, "R D1"] | None = None
+  floor: Float[Array, "R D1"] | None = None
   history: Int[Array, "R C"] | None = None  # the row's tokens by position after this commit
 
 

@@ -323,7 +323,8 @@ class ReflexProposer(Proposer):
     token = take_j(fb.tokens)
     mt = self._feedback_due(target, due, (
         pend.head, pend.qtop, take_j(fb.topm_ids)[..., : cfg.top], token, pend.cand,
-        pend.corr_top, pend.raw_top, take_j(fb.path_hidden), take_j(fb.lse)))
+        pend.corr_top, pend.raw_top, take_j(fb.path_hidden), take_j(fb.lse))
+        + (() if fb.floor is None else (take_j(fb.floor),)))
     finite = jnp.isfinite(mt.g).all(-1) & jnp.isfinite(mt.severity)
     ok = mature & finite
     use = ok & (mt.severity >= cfg.severity_floor)

@@ -41,13 +41,16 @@ class Matured:
 
 
 def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, corr_top, raw_top,
-             path_hidden, lse) -> Matured:
+             path_hidden, lse, floor=None) -> Matured:
   """Feedback of matured records (docs/design.md, "Feedback from a matured record").
 
   head_out [.., D]: the corrected head output h_k'; ids_q / ids_p [.., top]: top ids of q and of
   the target's p; token [..]: the committed token; cand / corr_top / raw_top [.., C]; path_hidden
   [.., D]: the target's anchor hidden state of the committed position; lse [..]: logsumexp of the
-  target's tempered logits there. Support S = top(q) u top(p) u {token} u C (at most 2 top + 1 + C
+  target's tempered (top-k/top-p restricted) logits there; floor [..]: the smallest tempered logit
+  that restriction allows (``sampling.allowed_floor``; None or -inf: every token): an id below it
+  has target probability 0, though it may sit on S (the head's top ids, its candidates, the
+  padding of a top-m wider than the allowed set). Support S = top(q) u top(p) u {token} u C (at most 2 top + 1 + C
   ids), p_S and q_S renormalised on S at the sampling temperature.
   """
   config, params = target.config, target.params
@@ -62,9 +65,13 @@ def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, cor
   norm_q = _dec.final_norm(config, params, head_out).astype(jnp.float32)
   xp = jnp.einsum("...d,...ud->...u", norm_p, w_rows) * inv_t
   xq = jnp.einsum("...d,...ud->...u", norm_q, w_rows) * inv_t
-  p_full = jnp.where(first, jnp.exp(xp - lse[..., None]), 0.0)  # exact target probabilities
+  allowed = first
+  if floor is not None:  # the restriction's floor, less a rounding margin: xp is recomputed here
+    allowed = first & (xp >= (floor - 1e-5 * (1.0 + jnp.abs(floor)))[..., None])
+  p_full = jnp.where(allowed, jnp.exp(xp - lse[..., None]), 0.0)  # exact target probabilities
   masked = lambda x: jnp.where(in_s, x, -jnp.inf)
-  p_s = jnp.where(in_s, jax.nn.softmax(masked(xp), axis=-1), 0.0)
+  p_s = jnp.where(in_s & allowed, jax.nn.softmax(jnp.where(allowed, masked(xp), -jnp.inf),
+                                                  axis=-1), 0.0)
   q_s = jnp.where(in_s, jax.nn.softmax(masked(xq), axis=-1), 0.0)
   tv = 0.5 * jnp.abs(p_s - q_s).sum(-1)
   in_c = first & _member(ids, cand)
