@@ -80,11 +80,11 @@ PASS / MISS (SKIP when an arm they need was not run): (d) recovers >= 50% of the
 exceeds --min-gap; (d) >= max((b), (c)) in mean tau; (d)'s adaptation <= 5% of its rollout time.
 A gap that never exceeds --min-gap is reported as drift that did not stale the heads. Compile is
 excluded (a warm-up call per arm, then an untimed pass of batch 0 by every arm once all are
-compiled; the slow path's refresh compile is reported apart). The arms take
-turns within each batch (the order rotating by one per batch), so each arm's batch b is timed
-within seconds of (a)'s: the in-loop cost compares the same batch on the same machine state, and
-the ceiling's own difference against (a) (it runs (a)'s program) is the noise that remains. Writes JSON
-and a PNG beside it (tau per batch per arm; KL to step 0 and entropy per policy; recovered share).
+compiled; the slow path's refresh compile is reported apart). The arms take turns within each
+batch (the order rotating by one per batch), so each arm's batch b is timed within seconds of
+(a)'s: the in-loop cost compares the same batch on the same machine state, and the ceiling's own
+difference against (a) (it runs (a)'s program) is the noise that remains. Writes JSON and a PNG
+beside it (tau per batch per arm; KL to step 0 and entropy per policy; recovered share).
 
 Cost on 2 CPU cores: a ceiling fit at the defaults (512 prompts, 1500 steps) takes about 50 s,
 once per --ceiling-every-th replayed policy (default every 2nd); fits are cached in

@@ -120,9 +120,9 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
   predict a committed token (:func:`sample_anchors`); head k's record at draw (row, j) reads the
   anchor j - k and predicts token j + 1, and is valid when j - k >= 0. The records' shape does
   not depend on the batch: when it holds fewer than ``num_anchors`` anchors, all are taken and the
-  remaining records are invalid (``valid`` False, ``count`` counts the valid ones). ``cfg`` fixes the
-  support and candidate shapes (those of the slow path's reservoir: ``slow_path.init`` with
-  ``support_size=cfg.support_size, num_candidates=cfg.max_candidates``). Jitted; ``cfg``,
+  remaining records are invalid (``valid`` False, ``count`` counts the valid ones). ``cfg``
+  fixes the support and candidate shapes (those of the slow path's reservoir: ``slow_path.init``
+  with ``support_size=cfg.support_size, num_candidates=cfg.max_candidates``). Jitted; ``cfg``,
   ``config``, ``sampling`` and ``num_anchors`` are static."""
   if not isinstance(cfg, ReflexConfig):
     raise ValueError(f"cfg must be a ReflexConfig, got {type(cfg).__name__}")

@@ -50,8 +50,8 @@ def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, cor
   target's tempered (top-k/top-p restricted) logits there; floor [..]: the smallest tempered logit
   that restriction allows (``sampling.allowed_floor``; None or -inf: every token): an id below it
   has target probability 0, though it may sit on S (the head's top ids, its candidates, the
-  padding of a top-m wider than the allowed set). Support S = top(q) u top(p) u {token} u C (at most 2 top + 1 + C
-  ids), p_S and q_S renormalised on S at the sampling temperature.
+  padding of a top-m wider than the allowed set). Support S = top(q) u top(p) u {token} u C (at
+  most 2 top + 1 + C ids), p_S and q_S renormalised on S at the sampling temperature.
   """
   config, params = target.config, target.params
   inv_t = 1.0 if target.sampling.greedy else float(inverse_temperature(
