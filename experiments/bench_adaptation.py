@@ -777,6 +777,9 @@ def main(argv=None):
   mg = Merged(heads=ranked, lookup=gl, max_nodes=rcfg.max_nodes)
   calibrate = not a.no_calibration
   warmup_s, runners = {}, {}
+  heads0 = _commit(heads0)  # the ranked arms pass heads as they are, committed like the policies
+  if ceiling is not None:
+    c_heads = [_commit(h) for h in c_heads]
   order = sorted(a.arms, key=lambda x: (x not in ("static", "ceiling"), ARMS.index(x)))
   for arm in order:
     if arm == "trainer":

@@ -69,10 +69,9 @@ def feedback(cfg: ReflexConfig, target, head_out, ids_q, ids_p, token, cand, cor
   if floor is not None:  # the restriction's floor, less a rounding margin: xp is recomputed here
     allowed = first & (xp >= (floor - 1e-5 * (1.0 + jnp.abs(floor)))[..., None])
   p_full = jnp.where(allowed, jnp.exp(xp - lse[..., None]), 0.0)  # exact target probabilities
-  masked = lambda x: jnp.where(in_s, x, -jnp.inf)
-  p_s = jnp.where(in_s & allowed, jax.nn.softmax(jnp.where(allowed, masked(xp), -jnp.inf),
-                                                  axis=-1), 0.0)
-  q_s = jnp.where(in_s, jax.nn.softmax(masked(xq), axis=-1), 0.0)
+  on_s = lambda m, x: jnp.where(m, jax.nn.softmax(jnp.where(m, x, -jnp.inf), axis=-1), 0.0)
+  p_s = on_s(in_s & allowed, xp)  # the target's p renormalised on its allowed ids in S
+  q_s = on_s(in_s, xq)
   tv = 0.5 * jnp.abs(p_s - q_s).sum(-1)
   in_c = first & _member(ids, cand)
   out = jnp.clip(1.0 - (p_full * in_c).sum(-1), 0.0, 1.0)
