@@ -1,12 +1,47 @@
-"""The tokenizer wrapper and the byte-level BPE trainer."""
+"""The tokenizer wrapper and the byte-level BPE trainer; transformers' AutoTokenizer on the
+folders the library ships and writes gives the same ids and text."""
 
 import json
+import os
+from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from conftest import TEST_MODEL
 
+import specroll_jax
+from specroll_jax import models
 from specroll_jax.data import gsm8k
+from specroll_jax.data.tasks import Task
 from specroll_jax.models.tokenizer import EOS_TOKEN, PAD_TOKEN, Tokenizer, train_bpe
+
+os.environ["HF_HUB_OFFLINE"] = "1"  # AutoTokenizer reads local folders only
+
+SHIPPED = {
+  "embedded": Path(specroll_jax.__file__).parent / "assets" / "gsm8k-tiny",
+  "test-model": Path(TEST_MODEL),
+}
+# Digits in runs (GPT-2's regex keeps \p{N}+ together, Qwen's splits each), spaces, newlines,
+# unicode that NFC would change (e + combining acute), other number scripts, and the special tokens.
+EDGE_TEXTS = [
+  "",
+  " ",
+  "   ",
+  "0",
+  "7 77 777 7777 77777 1234567890",
+  "3.14 -2,500 1/2 10% $48.00 #### 72",
+  "<<48/2=24>>24",
+  "a  b\n\nc\r\n\td \n",
+  " leading and trailing  ",
+  "Q:\n\n\nA: 5\n#### 5\n",
+  "caf\u00e9 cafe\u0301 \ufb01sh \u00bd \u0661\u0662 \uff11\uff12 \u4e2d\u6587 \U0001f600",
+  "don't it's WE'LL",
+  f"x{EOS_TOKEN}y",
+  EOS_TOKEN,
+  f" 12{EOS_TOKEN}\n{PAD_TOKEN}3",
+  "<|endoftext",
+]
 
 
 def _texts(examples):
@@ -105,3 +140,87 @@ def test_bad_special_ids_raise(tok):
     Tokenizer(tok.backend, ())
   with pytest.raises(ValueError, match=r"pad_id must lie in \[0, 512\), got \[512\]"):
     Tokenizer(tok.backend, (0,), pad_id=512)
+
+
+@pytest.fixture(scope="module")
+def transformers():
+  return pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def agreement_texts():
+  """Texts as the library encodes them: synthetic prompts the way ``grpo.loop.Prompts`` builds
+  them (easy and hard numbers), GSM8K test prompts and prompt + answer, and ``EDGE_TEXTS``."""
+  syn = Task(name="synthetic", train_size=100).examples("train")
+  syn += Task(name="synthetic", level=4, train_size=100).examples("train")
+  test = gsm8k.load("test")[:200]
+  return {
+    "synthetic prompts": [gsm8k.format_prompt(e.question) for e in syn],
+    "synthetic sft texts": _texts(syn),
+    "gsm8k prompts": [gsm8k.format_prompt(e.question) for e in test],
+    "gsm8k sft texts": _texts(test),
+    "edge texts": EDGE_TEXTS,
+  }
+
+
+def _assert_transformers_agrees(folder, transformers, texts_by_name, **load_kwargs):
+  """AutoTokenizer and ``Tokenizer.from_pretrained`` on ``folder``: the same backend parts, ids,
+  decodes and special ids."""
+  hf = transformers.AutoTokenizer.from_pretrained(folder, **load_kwargs)
+  lib = Tokenizer.from_pretrained(folder)
+  ours, theirs = json.loads(lib.backend.to_str()), json.loads(hf.backend_tokenizer.to_str())
+  for part in ("normalizer", "pre_tokenizer", "decoder", "model", "added_tokens"):
+    assert theirs[part] == ours[part], (type(hf).__name__, part, theirs[part])
+  for name, texts in texts_by_name.items():
+    ids = lib.encode_batch(texts)
+    got = hf(texts)["input_ids"]  # add_special_tokens=True (the default) adds nothing either
+    bad = [t for t, a, b in zip(texts, got, ids, strict=True) if a != b]
+    assert not bad, f"{name}: {len(bad)} of {len(texts)} differ, first {bad[0]!r}"
+    assert [hf.encode(t, add_special_tokens=False) for t in texts] == ids, name
+    for skip in (True, False):
+      assert hf.batch_decode(ids, skip_special_tokens=skip) == lib.decode_batch(ids, skip), name
+    assert hf.batch_decode(ids) == texts, name  # round trip, special tokens kept
+  assert hf.eos_token == EOS_TOKEN and (hf.eos_token_id,) == lib.eos_ids
+  assert transformers.AutoConfig.from_pretrained(folder).eos_token_id == lib.eos_ids[0]
+  assert hf.pad_token == PAD_TOKEN and hf.pad_token_id == lib.pad_id
+  assert hf.bos_token_id is None and lib.bos_id is None
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_transformers_agrees_on_shipped_folders(name, transformers, agreement_texts):
+  folder = SHIPPED[name]
+  assert json.loads((folder / "config.json").read_text())["model_type"] == "qwen2"
+  _assert_transformers_agrees(folder, transformers, agreement_texts)
+
+
+def test_transformers_with_trust_remote_code_raises_or_agrees(transformers):
+  # tokenizer_config.json's auto_map names no module: loading fails rather than loading a
+  # tokenizer that splits differently.
+  folder = SHIPPED["embedded"]
+  try:
+    transformers.AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+  except ValueError:
+    return
+  texts = {"edge texts": EDGE_TEXTS}
+  _assert_transformers_agrees(folder, transformers, texts, trust_remote_code=True)
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "llama"])
+def test_transformers_agrees_on_saved_folder(
+  architecture, tok, tmp_path, transformers, agreement_texts
+):
+  # What sft.build_model writes: models.save_pretrained (config.json with model_type, weights),
+  # then Tokenizer.save. transformers 5 maps model_type "qwen2" to its own Qwen2Tokenizer.
+  config = models.ModelConfig.tiny(
+    tok.vocab_size,
+    architecture=architecture,
+    qkv_bias=architecture == "qwen2",
+    eos_token_ids=tok.eos_ids,
+  )
+  shapes = jax.eval_shape(lambda key: models.init_params(key, config), jax.random.key(0))
+  models.save_pretrained(
+    tmp_path, config, jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+  )
+  tok.save(tmp_path)
+  assert Tokenizer.from_pretrained(tmp_path).eos_ids == tok.eos_ids
+  _assert_transformers_agrees(tmp_path, transformers, agreement_texts)

@@ -20,6 +20,17 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 _CONFIG_FILES = ("generation_config.json", "config.json")  # searched in this order for *_token_id
+# What tokenizer_config.json names so that transformers' AutoTokenizer builds a plain
+# PreTrainedTokenizerFast (v5: TokenizersBackend) from tokenizer.json as written. tokenizer_class
+# alone is not enough: transformers 5 ignores it for the model types whose own tokenizer class it
+# enforces (config.json's model_type "qwen2" gives Qwen2Tokenizer, which replaces the pre-tokenizer
+# with Qwen's, digits one at a time, and adds NFC) unless tokenizer_config.json has an auto_map.
+# This auto_map names no module: AutoTokenizer uses tokenizer_class unless called with
+# trust_remote_code=True, which then raises instead of tokenizing differently.
+_HF_TOKENIZER_CONFIG: dict[str, Any] = {
+  "tokenizer_class": "PreTrainedTokenizerFast",
+  "auto_map": {"AutoTokenizer": [None, "PreTrainedTokenizerFast"]},
+}
 
 
 class Tokenizer:
@@ -131,15 +142,17 @@ class Tokenizer:
     return self._tok.decode_batch(rows, skip_special_tokens=skip_special_tokens)
 
   def save(self, path: str | os.PathLike) -> None:
-    """Write ``tokenizer.json`` and a minimal ``tokenizer_config.json`` (eos, pad, bos tokens).
+    """Write ``tokenizer.json`` and a minimal ``tokenizer_config.json`` (class, eos, pad, bos).
 
-    Only the first EOS id is recorded (tokenizer_config.json holds one ``eos_token``).
+    transformers' ``AutoTokenizer`` then tokenizes as ``tokenizer.json`` says, whatever model type
+    a ``config.json`` beside it names. Only the first EOS id is recorded (tokenizer_config.json
+    holds one ``eos_token``).
     """
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     self._tok.save(os.path.join(path, "tokenizer.json"))
     cfg: dict[str, Any] = {
-      "tokenizer_class": "PreTrainedTokenizerFast",
+      **_HF_TOKENIZER_CONFIG,
       "eos_token": self._tok.id_to_token(self._eos_ids[0]),
     }
     if self._pad_id is not None:
