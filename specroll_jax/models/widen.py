@@ -18,11 +18,12 @@ The recipe (Ds, Db the small and big widths; r = Ds / Db):
   Dh -> Dh' puts the two rotate-half halves at [0, Dh/2) and [Dh'/2, Dh'/2 + Dh/2), raises
   ``rope_theta`` to the power Dh'/Dh (the first Dh/2 frequencies then match) and scales q by
   sqrt(Dh'/Dh) for the 1/sqrt(head width) change; a real query head is zero on its other dims.
-* Dead units (extra query heads, a real head's extra dims in k / v, extra FFN columns, extra KV
-  heads, extra layers) have random input weights, N(0, ``scale``^2), and zero output rows
-  (o_proj / down_proj), so they add nothing. Extra layers are identities: random q/k/v/gate/up,
-  zero o_proj and down_proj. The real layers are spread evenly: small layer i is big layer
-  floor(i * Ly' / Ly).
+* Dead units (extra query heads, extra FFN columns, extra KV heads, extra layers) have random
+  input weights (uniform with standard deviation ``scale``, a real init's 0.02) and zero output
+  rows (o_proj / down_proj), so they add nothing; a real KV head's extra dims are random too (the
+  real queries are zero there, o_proj's rows for them zero). Extra layers are identities: random
+  q/k/v/gate/up, zero o_proj and down_proj. The real layers are spread evenly: small layer i is
+  big layer floor(i * Ly' / Ly).
 * Input weights that read the padded residual dims (q/k/v/gate/up rows, an untied lm_head's rows,
   the heads' input rows) are random too: a norm's output there is exactly zero.
 * The vocabulary is kept (the small model's); ``byte_count`` gives the bytes it leaves out.
@@ -298,11 +299,11 @@ def _build(small: ModelConfig, big: ModelConfig, scale: float, sp, key):
   L = lay.layers
 
   def place(w, name, leaf, index, extra=None):
-    """The real layers' slab of w with the small layers' leaf at ``index`` (``extra``: columns of
-    the last axis zeroed first), written back."""
+    """The real layers' slab of w with the small layers' leaf at ``index`` (``extra``: the last
+    axis' columns zeroed first on the same rows), written back."""
     slab = w[L]
     if extra is not None:
-      slab = slab.at[..., extra].set(0)
+      slab = slab.at[(slice(None), *index[:-1], extra)].set(0)
     return w.at[L].set(slab.at[(slice(None), *index)].set(s[name][leaf]))
 
   def norm(name):
@@ -344,9 +345,9 @@ def widen(config: ModelConfig, params, shape: WideShape, *, key, heads=None,
   them) into ``shape``: returns (big_config, big_params), or (big_config, big_params, big_heads)
   when ``heads`` (a ``heads.Heads`` or ``cond_heads.CondHeads`` of the source) is given.
 
-  key: draws the dead units' random weights, N(0, scale^2). dtype: the big model's (default the
-  source's). head_width: the widened ``CondHeads`` MLP width (see ``widen_heads``). The big
-  parameters are built by one jitted function on the default device.
+  key: seeds the dead units' random weights (uniform, standard deviation ``scale``). dtype: the
+  big model's (default the source's). head_width: the widened ``CondHeads`` MLP width (see
+  ``widen_heads``). The big parameters are built by one jitted function on the default device.
   """
   big = widened_config(config, shape, dtype=dtype)
   _check_scale(scale)
@@ -385,7 +386,7 @@ def _build_heads(ds: int, db: int, width: int, scale: float, sh, key):
   kk = sh.num_heads
   norm = lambda v: b.zeros((kk, db)).at[:, :ds].set(v)
   if medusa:
-    w = b.rand((kk, db, db)).at[:, :, ds:].set(0).at[:, :ds, :ds].set(sh.w)
+    w = b.rand((kk, db, db)).at[:, :ds, ds:].set(0).at[:, :ds, :ds].set(sh.w)
     return sh.replace(norm=norm(sh.norm), w=w, b=b.zeros((kk, db)).at[:, :ds].set(sh.b))
   fs = sh.width
   w_h, w_e, bias = b.rand((kk, db, width)), b.rand((kk, kk, db, width)), b.rand((kk, width))
