@@ -12,3 +12,13 @@ example C records and S support ids in ``records`` / ``slow_path``).
 """
 
 __version__ = "0.1.0"
+__all__ = ["SpecRoll", "SpecRollState"]
+
+
+def __getattr__(name):
+  # ``specroll_jax.SpecRoll``: the one object (imported on first use, so ``import specroll_jax``
+  # stays light)
+  if name in ("SpecRoll", "SpecRollState"):
+    from specroll_jax import specroll
+    return getattr(specroll, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

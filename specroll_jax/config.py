@@ -132,6 +132,17 @@ class SpecConfig:
     node budget")."""
     return cls(node_budget=192, max_nodes=12, topk=(4, 3, 2))
 
+  @classmethod
+  def auto(cls, backend: str | None = None) -> SpecConfig:
+    """The preset for ``backend`` (default: jax's default backend): :meth:`for_cpu` on a CPU,
+    :meth:`for_h200` on a GPU or TPU, where a verify forward is memory-bound up to its ridge
+    point. Never a GPU preset on a CPU by accident."""
+    import jax
+    backend = jax.default_backend() if backend is None else backend
+    if backend not in ("cpu", "gpu", "cuda", "rocm", "tpu"):
+      raise ValueError(f"SpecConfig.auto: backend must be 'cpu', 'gpu' or 'tpu', got {backend!r}")
+    return cls.for_cpu() if backend == "cpu" else cls.for_h200()
+
   def gate_of(self, batch: int, bucket: int) -> float | None:
     """The gate of the ``bucket``-th kept bucket of a ``batch``-row batch (None: always verify)."""
     if self.gate is None:

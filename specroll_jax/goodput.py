@@ -90,8 +90,20 @@ class CostModel:
                seconds=tuple(tuple(r) for r in d["seconds"]), machine=d.get("machine", ""))
 
 
+@dataclasses.dataclass(frozen=True)
+class BucketChoice:
+  """Why ``choose`` gave a bucket its nodes: its rows, the chosen n, the gate (None: none) and the
+  expected tokens per second of every candidate n, as (n, rate) pairs."""
+
+  rows: int
+  nodes: int
+  gate: float | None
+  tokens_per_s: tuple[tuple[int, float], ...]
+
+
 def choose(cost: CostModel, expected, batch: int, spec: SpecConfig, *, capacity: int,
-           margin: float = 0.03, gated: bool = False) -> tuple[SpecConfig, list[dict]]:
+           margin: float = 0.03, gated: bool = False
+           ) -> tuple[SpecConfig, tuple[BucketChoice, ...]]:
   """The ``SpecConfig`` whose ``nodes`` give each bucket of a ``batch``-row batch the measured
   node count n (<= capacity) with the most expected tokens per second, and the reasoning per
   bucket (rows, chosen n, tokens/s of every candidate).
@@ -130,10 +142,10 @@ def choose(cost: CostModel, expected, batch: int, spec: SpecConfig, *, capacity:
         best = 0
     nodes.append(best)
     gates.append(gate)
-    why.append({"rows": rows, "nodes": best, "gate": gate,
-                "tokens_per_s": {int(k): v for k, v in rate.items()}})
+    why.append(BucketChoice(rows=rows, nodes=best, gate=gate,
+                            tokens_per_s=tuple((int(k), float(v)) for k, v in rate.items())))
   return dataclasses.replace(spec, nodes=tuple(nodes),
-                             gate=tuple(gates) if gated else None), why
+                             gate=tuple(gates) if gated else None), tuple(why)
 
 
 def _cache_key(config, proposer, settings: DecodeSettings, rows, node_counts, prompt_width):
@@ -205,4 +217,4 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
   return model
 
 
-__all__ = ["DEFAULT_NODE_COUNTS", "CostModel", "choose", "measure_cost"]
+__all__ = ["DEFAULT_NODE_COUNTS", "BucketChoice", "CostModel", "choose", "measure_cost"]

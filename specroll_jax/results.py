@@ -92,3 +92,18 @@ class Rollout:
   proposer_state: Any = None  # the proposer's shared (not per-row) state at the end, e.g. records
   adaptation: Any = None  # the adaptation state after this rollout (when one was passed in)
   adaptation_report: dict | None = flax.struct.field(pytree_node=False, default=None)
+  # ``SpecRoll.generate``'s ``SpecRollReport`` of this batch (host numbers; None elsewhere)
+  report: Any = flax.struct.field(pytree_node=False, default=None)
+
+  def decode(self, tokenizer, *, keep_eos: bool = False) -> list[str]:
+    """Each row's response as text (cut at its length; a sampled EOS dropped unless
+    ``keep_eos``)."""
+    toks, lens = np.asarray(self.tokens), np.asarray(self.lengths)
+    eos = set(tokenizer.eos_ids)
+    rows = []
+    for t, n in zip(toks, lens, strict=True):
+      row = t[: int(n)]
+      if not keep_eos and len(row) and int(row[-1]) in eos:
+        row = row[:-1]
+      rows.append(row)
+    return tokenizer.decode_batch(rows)

@@ -40,7 +40,7 @@ def test_cost_model_checks_and_interpolates():
 def test_choose_verifies_nothing_where_trees_cannot_pay_and_grows_trees_where_they_do():
   modest = np.array([0.0, 0.3, 0.45, 0.55, 0.6])
   spec, why = goodput.choose(_cost(0.5), modest, 64, SPEC, capacity=8)
-  assert spec.nodes == (0, 0, 0) and all(w["nodes"] == 0 for w in why)
+  assert spec.nodes == (0, 0, 0) and all(w.nodes == 0 for w in why)
   confident = np.array([0.0, 0.9, 1.7, 2.4, 3.0])
   spec, _ = goodput.choose(_cost(0.0), confident, 64, SPEC, capacity=8)  # flat: GPU-like
   assert spec.nodes == (4, 4, 4)

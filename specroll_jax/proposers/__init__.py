@@ -7,20 +7,27 @@ proposers (``RankedProposer``: every candidate scored by its calibrated acceptan
 within the row's budget): ``RankedHeads`` (Medusa or root-conditioned heads, expanded depth by
 depth), ``GroupLookup`` (the row's own text, its GRPO siblings' and earlier responses to the same
 prompt) and ``Merged`` (both in one tree). ``ReflexProposer``: heads with Reflex corrections
-(the math in ``specroll_jax.reflex``).
+(the math in ``specroll_jax.reflex``); ``MergedReflex``: ``Merged`` with Reflex corrections on its
+root-conditioned heads (what ``specroll_jax.SpecRoll`` proposes with by default).
 """
 
 from specroll_jax.proposers.base import Feedback, ProposeInput, Proposer, RowsInit, Target
 from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext
 from specroll_jax.proposers.heads import HeadsProposer
 from specroll_jax.proposers.lookup import HeadsAndLookup, LookupState, PromptLookup
-from specroll_jax.proposers.merged import Merged
+from specroll_jax.proposers.merged import (
+           Merged,
+           MergedReflex,
+           MergedReflexParams,
+           MergedReflexStats,
+)
 from specroll_jax.proposers.ranked import RankedProposer, TreeStats
 from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
 from specroll_jax.proposers.reflex import ReflexProposer
 from specroll_jax.tree import Tree
 
 __all__ = ["Feedback", "GroupLookup", "HeadsAndLookup", "HeadsParams", "HeadsProposer",
-           "LookupContext", "LookupState", "Merged", "PromptLookup", "ProposeInput", "Proposer",
+           "LookupContext", "LookupState", "Merged", "MergedReflex", "MergedReflexParams",
+           "MergedReflexStats", "PromptLookup", "ProposeInput", "Proposer",
            "RankedHeads", "RankedProposer", "ReflexProposer", "RowsInit", "Target", "Tree",
            "TreeStats"]

@@ -9,12 +9,26 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import numpy as np
 
+from specroll_jax import head_kinds
 from specroll_jax import tree as _tree
+from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext
-from specroll_jax.proposers.ranked import RankedProposer
+from specroll_jax.proposers.ranked import (
+  RankedProposer,
+  RankedRows,
+  TreeStats,
+  ranked_after_propose,
+  ranked_update,
+)
 from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
+from specroll_jax.proposers.reflex import ReflexProposer
+from specroll_jax.reflex.config import ReflexConfig
+from specroll_jax.reflex.state import ReflexGlobal
+from specroll_jax.reflex.statistics import ReflexStats
+from specroll_jax.results import Summed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,4 +97,126 @@ class Merged(RankedProposer):
     return _tree.concat_candidates(ch, cl), found
 
 
-__all__ = ["Merged"]
+@flax.struct.dataclass
+class MergedReflexParams:
+  """Parameters of ``MergedReflex``: the heads with their calibrated table (``HeadsParams``), the
+  lookup's per-batch context and Reflex's global safety per head."""
+
+  heads: HeadsParams
+  lookup: LookupContext
+  reflex: ReflexGlobal
+
+
+@flax.struct.dataclass
+class MergedReflexStats(Summed):
+  """What a ``MergedReflex`` rollout counts: the ranked tree's per-bin outcomes (calibration,
+  goodput) and Reflex's per-head statistics."""
+
+  tree: TreeStats
+  reflex: ReflexStats
+
+
+@dataclasses.dataclass(frozen=True)
+class MergedReflex(Proposer):
+  """``Merged`` with Reflex corrections on the heads: root-conditioned heads (corrected per row by
+  the fast path, docs/design.md "Reflex") and the group-aware lookup in one tree ranked by
+  calibrated acceptance. The heads' tree settings (topk, beams, max_nodes) are ``merged.heads``'s;
+  ``reflex`` holds every other Reflex constant (its tree fields are overwritten to match).
+  Parameters: ``MergedReflexParams``; state: ((``RankedRows``, ``ReflexRows``),
+  (``LookupShared``, ``ReflexShared``)); statistics: ``MergedReflexStats``.
+
+  With Reflex asleep or off, ``Merged`` with the same ``merged`` settings proposes the same tree
+  from uncorrected heads; both count the same ``TreeStats``."""
+
+  merged: Merged = Merged()
+  reflex: ReflexConfig = ReflexConfig(conditioned=True)
+
+  def __post_init__(self):
+    if not isinstance(self.merged, Merged):
+      raise ValueError(f"MergedReflex.merged must be a Merged, got {type(self.merged).__name__}")
+    if not isinstance(self.reflex, ReflexConfig):
+      raise ValueError(f"MergedReflex.reflex must be a ReflexConfig, got "
+                       f"{type(self.reflex).__name__}")
+    h = self.merged.heads
+    object.__setattr__(self, "reflex", dataclasses.replace(
+        self.reflex, num_heads=h.num_heads, topk=h.topk, beams=h.beams, max_nodes=h.max_nodes,
+        conditioned=True))
+
+  @property
+  def inner(self) -> ReflexProposer:
+    return ReflexProposer(self.reflex)
+
+  @property
+  def max_depth(self) -> int:
+    return self.merged.max_depth
+
+  @property
+  def capacity(self) -> int:
+    return self.merged.capacity
+
+  @property
+  def feedback_topm(self) -> int:
+    return self.reflex.top
+
+  def params(self, heads, glob: ReflexGlobal, acceptance=None, group_ids=None,
+             prior=None) -> MergedReflexParams:
+    hp, ctx = self.merged.params(heads, acceptance, group_ids, prior)
+    return MergedReflexParams(heads=hp, lookup=ctx, reflex=glob)
+
+  def validate(self, config, params) -> None:
+    if not isinstance(params, MergedReflexParams):
+      raise ValueError(f"MergedReflex params must be a MergedReflexParams (MergedReflex.params("
+                       f"...)), got {type(params).__name__}")
+    self.merged.validate(config, (params.heads, params.lookup))
+    if not head_kinds.is_conditioned(params.heads.heads):
+      raise ValueError("MergedReflex needs root-conditioned heads (cond_heads.CondHeads), got "
+                       f"{type(params.heads.heads).__name__}")
+    self.inner.validate(config, (params.heads.heads, params.reflex))
+
+  def validate_batch(self, config, params, prompt_tokens, prompt_lengths, sample_ids) -> None:
+    self.merged.lookup.validate_batch(config, params.lookup, prompt_tokens, prompt_lengths,
+                                      sample_ids)
+
+  def init(self, target, params, rows):
+    rrows, rshared = self.inner.init(target, (params.heads.heads, params.reflex), rows)
+    ranked = RankedRows.zeros(rows.row.shape[0], self.capacity)
+    lshared = self.merged.lookup.init_shared(target, params.lookup, rows)
+    return (ranked, rrows), (lshared, rshared)
+
+  def split_state(self, state):
+    return state
+
+  def join_state(self, rows, shared):
+    return rows, shared
+
+  def propose(self, target, params, state, inp, *, num_nodes):
+    (ranked, rrows), (lshared, rshared) = state
+    if num_nodes == 0:
+      return _tree.root_only(inp.root), state
+    heads = self.merged.heads
+    cl, found = self.merged.lookup.candidates(target, params.lookup, lshared, inp,
+                                              num_nodes=num_nodes)
+    cl = cl.replace(bin=cl.bin + heads.num_bins)
+    table = params.heads.acceptance.reshape(-1)
+    tr, (rrows, rshared), sel = self.inner.propose_with(
+        target, (params.heads.heads, params.reflex), (rrows, rshared), inp, num_nodes=num_nodes,
+        table=table, extra=cl, ranks=self.capacity + 1)
+    ranked = ranked_after_propose(ranked, sel, found, inp.budget, num_nodes)
+    return tr, ((ranked, rrows), (lshared, rshared))
+
+  def update(self, target, params, state, fb):
+    (ranked, rrows), (lshared, rshared) = state
+    (rrows, rshared), rstats = self.inner.update(target, (params.heads.heads, params.reflex),
+                                                 (rrows, rshared), fb)
+    ranked, tstats = ranked_update(ranked, fb, self.merged.num_bins)
+    return ((ranked, rrows), (lshared, rshared)), MergedReflexStats(tree=tstats, reflex=rstats)
+
+  def expected_gain(self, state, num_nodes: int):
+    return state[0][0].expected[:, min(num_nodes, self.capacity)]
+
+  def init_stats(self) -> MergedReflexStats:
+    return MergedReflexStats(tree=TreeStats.zeros(self.merged.num_bins, self.capacity + 1),
+                             reflex=self.inner.init_stats())
+
+
+__all__ = ["Merged", "MergedReflex", "MergedReflexParams", "MergedReflexStats"]

@@ -104,29 +104,42 @@ class RankedProposer(Proposer):
     cands, found = self.candidates(target, params, shared, inp, num_nodes=num_nodes)
     tr, sel = _tree.select(inp.root, cands, inp.budget, num_nodes=num_nodes,
                            max_depth=self.max_depth, ranks=self.capacity + 1)
-    active = inp.budget > 0
-    rows = rows.replace(bins=jnp.full_like(rows.bins, -1).at[:, : num_nodes + 1].set(sel.bin),
-                        expected=jnp.where(active[:, None], sel.expected, 0.0),
-                        found=found & active[:, None], proposed=active)
-    return tr, (rows, shared)
+    return tr, (ranked_after_propose(rows, sel, found, inp.budget, num_nodes), shared)
 
   def update(self, target, params, state, fb):
     rows, shared = state
-    n1 = fb.tree.tokens.shape[1]
-    tested, hit = _tree.node_outcomes(fb.tree, fb.accepted, rows.bins[:, :n1], self.num_bins,
-                                      fb.active)
-    on = rows.proposed & fb.active
-    stats = TreeStats(tested=tested, hit=hit,
-                      expected=jnp.where(on[:, None], rows.expected, 0.0).sum(0),
-                      row_steps=on.sum().astype(jnp.int32),
-                      found=(rows.found & on[:, None]).sum(0).astype(jnp.int32))
-    return (rows.replace(proposed=jnp.zeros_like(rows.proposed)), shared), stats
+    rows, stats = ranked_update(rows, fb, self.num_bins)
+    return (rows, shared), stats
 
   def expected_gain(self, state, num_nodes: int):
     return state[0].expected[:, min(num_nodes, self.capacity)]
 
   def init_stats(self):
     return TreeStats.zeros(self.num_bins, self.capacity + 1)
+
+
+def ranked_after_propose(rows: RankedRows, sel: _tree.Selection, found, budget,
+                         num_nodes: int) -> RankedRows:
+  """A ranked proposer's per-row bookkeeping after ``tree.select`` chose a tree of ``num_nodes``
+  nodes: each node's bin, the expected accepted nodes by tree size, the lookup sources found."""
+  active = budget > 0
+  return rows.replace(bins=jnp.full_like(rows.bins, -1).at[:, : num_nodes + 1].set(sel.bin),
+                      expected=jnp.where(active[:, None], sel.expected, 0.0),
+                      found=found & active[:, None], proposed=active)
+
+
+def ranked_update(rows: RankedRows, fb, num_bins: int) -> tuple[RankedRows, TreeStats]:
+  """(rows, this step's ``TreeStats``) after the verify forward decided ``fb``: per bin the nodes
+  tested (parent accepted) and accepted, and the expected accepted nodes of the rows that
+  proposed."""
+  n1 = fb.tree.tokens.shape[1]
+  tested, hit = _tree.node_outcomes(fb.tree, fb.accepted, rows.bins[:, :n1], num_bins, fb.active)
+  on = rows.proposed & fb.active
+  stats = TreeStats(tested=tested, hit=hit,
+                    expected=jnp.where(on[:, None], rows.expected, 0.0).sum(0),
+                    row_steps=on.sum().astype(jnp.int32),
+                    found=(rows.found & on[:, None]).sum(0).astype(jnp.int32))
+  return rows.replace(proposed=jnp.zeros_like(rows.proposed)), stats
 
 
 def log_table(table, bins):

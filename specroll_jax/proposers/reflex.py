@@ -125,19 +125,34 @@ class ReflexProposer(Proposer):
     return rows.fast
 
   def propose(self, target, params, state, inp, *, num_nodes):
+    tr, state, _ = self.propose_with(target, params, state, inp, num_nodes=num_nodes)
+    return tr, state
+
+  def propose_with(self, target, params, state, inp, *, num_nodes: int, table=None, extra=None,
+                   ranks: int | None = None):
+    """``propose`` for a composite (``proposers.MergedReflex``): root-conditioned heads score
+    their nodes with the calibrated ``table`` ([K * Q] by (depth, bin of q); None: each bin's own
+    q), ``extra`` (``tree.Candidates`` of another source, bins already offset) joins the one
+    ranked tree, and ``ranks`` sizes ``Selection.expected`` (default: this proposer's capacity
+    + 1). Returns (tree, state, the ``tree.Selection``; None for Medusa heads)."""
     cfg = self.config
     rows, shared = state
     if num_nodes == 0:
-      return _tree.root_only(inp.root), state
+      return _tree.root_only(inp.root), state, None
     heads, glob = params
     k = cfg.num_heads
     active = inp.budget > 0
     fast = self._view(rows, shared, inp.row)
-    expected = None
+    expected = sel = None
     if cfg.conditioned:
-      tr, z, zc, c, logits, ctx, eligible, ratio, low, expected = self._propose_conditioned(
-          target, heads, glob, fast, inp, num_nodes, active)
+      tr, z, zc, c, logits, ctx, eligible, ratio, low, sel = self._propose_conditioned(
+          target, heads, glob, fast, inp, num_nodes, active, table=table, extra=extra,
+          ranks=self.capacity + 1 if ranks is None else ranks)
+      expected = sel.expected[:, : self.capacity + 1]
     else:
+      if table is not None or extra is not None:
+        raise ValueError("ReflexProposer.propose_with: table and extra need root-conditioned "
+                         "heads (ReflexConfig.conditioned=True)")
       z, zc, c, eligible, ratio, low = corrected_head_states(target, heads, glob, cfg, fast,
                                                              inp.hidden)
       eligible = eligible & active[:, None]
@@ -170,7 +185,7 @@ class ReflexProposer(Proposer):
                         lcb_n=rows.lcb_n + finite_low.astype(jnp.int32),
                         expected=(None if expected is None
                                   else jnp.where(active[:, None], expected, 0.0)))
-    return tr, (rows, shared)
+    return tr, (rows, shared), sel
 
   def _record(self, target, fast: FastState, inp, tr, z, zc, c, logits, ctx, eligible, rnd,
               rnd_k, pend: Pending) -> Pending:
@@ -210,9 +225,10 @@ class ReflexProposer(Proposer):
                    applied=put(pend.applied, eligible), path=put(pend.path, ctx))
 
   def _propose_conditioned(self, target, heads, glob: ReflexGlobal, fast: FastState, inp,
-                           num_nodes: int, active):
+                           num_nodes: int, active, *, table=None, extra=None, ranks: int):
     """Root-conditioned heads: the ranked depth-by-depth tree with each head's evaluations
-    corrected, and the trunk (best path) evaluations padded to K heads for the records."""
+    corrected (scored by ``table``; joined by ``extra`` candidates), and the trunk (best path)
+    evaluations padded to K heads for the records."""
     cfg = self.config
     k = cfg.num_heads
     eligible, _, ratio, low = gate(cfg, fast, glob.safety)
@@ -229,16 +245,20 @@ class ReflexProposer(Proposer):
                        (zz.astype(jnp.float32) + c).astype(zz.dtype), zz)
 
     rh = self.ranked
-    cands, (z, zc, logits, ctx) = rh.expand(target, rh.params(heads), inp.hidden, inp.root,
-                                            num_nodes=num_nodes, correct=correct)
-    tr, sel = _tree.select(inp.root, cands, inp.budget, num_nodes=num_nodes, max_depth=k,
-                           ranks=self.capacity + 1)
+    cands, (z, zc, logits, ctx) = rh.expand(target, rh.params(heads, table), inp.hidden,
+                                            inp.root, num_nodes=num_nodes, correct=correct)
+    depth = k
+    if extra is not None:
+      depth = max(k, extra.paths.shape[2])
+      cands = _tree.concat_candidates(cands, extra)
+    tr, sel = _tree.select(inp.root, cands, inp.budget, num_nodes=num_nodes, max_depth=depth,
+                           ranks=ranks)
     c = jnp.concatenate([bounded(i, z[:, i:i + 1]) for i in range(z.shape[1])], axis=1)
     pad = lambda x, v=0: jnp.pad(x, ((0, 0), (0, k - x.shape[1])) + ((0, 0),) * (x.ndim - 2),
                                  constant_values=v)
     used = jnp.arange(k) < z.shape[1]
     return (tr, pad(z), pad(zc), pad(c), pad(logits), pad(ctx, -1), eligible & used[None],
-            ratio, low, sel.expected)
+            ratio, low, sel)
 
   def update(self, target, params, state, fb):
     cfg = self.config

@@ -14,7 +14,8 @@ VOCABS = ("full", "support")
 
 # Why the monitor decided what it did (Decision.reason indexes this tuple).
 REASONS = ("off", "calibrating", "waiting", "healthy", "too_few_records", "degraded", "cooldown",
-           "sustained_degradation", "scheduled", "schedule_wait", "over_budget", "every_batch")
+           "sustained_degradation", "scheduled", "schedule_wait", "over_budget", "every_batch",
+           "bootstrap")
 _R = {name: i for i, name in enumerate(REASONS)}
 
 
@@ -79,6 +80,11 @@ class SlowPathConfig:
     at least the reservoir's chunks: every chunk, a full-batch step. Fewer: minibatch steps over
     fixed strided groups of chunks (step i takes group i mod G, each group spread over the ring,
     so over time), which divides a step's cost by about chunks / step_chunks.
+  bootstrap_batches: the first batches (any mode but "off") refresh every head that has new
+    records, each guarded as usual, before the monitor calibrates: heads brought from another
+    task or an earlier policy are fitted to this target first, where a baseline taken from them
+    would call their error normal. 0 (default): no bootstrap. The calibration window starts after
+    it. bootstrap_steps: optimiser steps of a bootstrap refresh (0: ``refresh_steps``).
   refresh_vocab: the vocabulary the refresh's training steps read. "full" (default): the head's
     softmax over all V tokens (the support's ids plus a tail bucket for the rest). "support":
     the head's softmax over each record's support S alone (at most 2 top + 1 + C ids; the
@@ -128,6 +134,8 @@ class SlowPathConfig:
   chunk_size: int = 256
   step_chunks: int = 0
   refresh_vocab: str = "full"
+  bootstrap_batches: int = 0
+  bootstrap_steps: int = 0
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -145,7 +153,8 @@ class SlowPathConfig:
     for name in ("calibration_batches", "check_every", "patience", "max_heads",
                  "scheduled_min_batches", "scheduled_steps", "refresh_steps", "chunk_size"):
       check_int(self, name, 1)
-    for name in ("min_records", "cooldown_batches", "scheduled_min_records", "step_chunks"):
+    for name in ("min_records", "cooldown_batches", "scheduled_min_records", "step_chunks",
+                 "bootstrap_batches", "bootstrap_steps"):
       check_int(self, name, 0)
     check_float(self, "mad_scale", 0.0, lo_open=True)
     check_float(self, "min_scale", 0.0, lo_open=True)
@@ -203,6 +212,19 @@ class SlowPathConfig:
                 refresh_vocab="support")
     base.update(kw)
     return cls.for_tests(**base)
+
+  @classmethod
+  def for_model(cls, config, **kw) -> SlowPathConfig:
+    """The slow path for a model of ``config``'s size, as ``SpecRoll`` runs it: heads brought
+    from elsewhere are fitted to the target in a bootstrap of 10 batches (20 optimiser steps
+    each), then refreshed on sustained degradation. :meth:`for_small_models` for a model of
+    hidden size below 512 (the embedded one), the defaults (sized for 1.5B-parameter heads)
+    otherwise."""
+    base = dict(bootstrap_batches=10, bootstrap_steps=20)
+    base.update(kw)
+    if config.hidden_size < 512:
+      return cls.for_small_models(**base)
+    return cls(**base)
 
   def per_head(self, num_heads: int) -> int:
     """Reservoir records per head (C)."""

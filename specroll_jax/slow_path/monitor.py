@@ -51,16 +51,19 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
   acc0 = jnp.where(acc_known, acceptance, 0.0)
   nb = cfg.calibration_batches
   b = m.batches + 1  # batches observed, this one included
-  calibrating = b <= nb
-  row = jnp.minimum(b - 1, nb - 1)
-  calib_tv = jnp.where(calibrating, m.calib_tv.at[row].set(jnp.where(n > 0, tv, jnp.nan)),
+  booting = b <= cfg.bootstrap_batches  # the heads are fitted to the target first
+  bc = b - cfg.bootstrap_batches  # batches since the bootstrap: the calibration's clock
+  calibrating = bc <= nb
+  row = jnp.clip(bc - 1, 0, nb - 1)
+  record = calibrating & ~booting
+  calib_tv = jnp.where(record, m.calib_tv.at[row].set(jnp.where(n > 0, tv, jnp.nan)),
                        m.calib_tv)
-  calib_acc = jnp.where(calibrating,
+  calib_acc = jnp.where(record,
                         m.calib_acc.at[row].set(jnp.where(acc_known, acceptance, jnp.nan)),
                         m.calib_acc)
   med = jnp.nanmedian(calib_tv, axis=0)
   mad = jnp.nanmedian(jnp.abs(calib_tv - med), axis=0)
-  done = b == nb
+  done = bc == nb
   tv_median = jnp.where(done, med, m.tv_median)
   tv_mad = jnp.where(done, mad, m.tv_mad)
   acc_baseline = jnp.where(done, jnp.nanmedian(calib_acc, axis=0), m.acc_baseline)
@@ -70,7 +73,7 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
   window_n = m.window_n + jnp.where(post, n, 0.0)
   window_acc = m.window_acc + jnp.where(post, acc0, 0.0)
   window_acc_n = m.window_acc_n + jnp.where(post & acc_known, 1.0, 0.0)
-  is_check = post & ((b - nb) % cfg.check_every == 0)
+  is_check = post & ((bc - nb) % cfg.check_every == 0)
   checked = is_check & (window_n >= max(cfg.min_records, 1))
   scale = jnp.maximum(cfg.mad_scale * tv_mad, cfg.min_scale)
   rise = window_tv / jnp.maximum(window_n, 1.0) - tv_median  # the window's signal over baseline
@@ -123,6 +126,10 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
     consecutive = jnp.where(refresh, 0, consecutive)
     cooldown = jnp.where(refresh.any(), cfg.cooldown_batches, cooldown)
 
+  if cfg.bootstrap_batches > 0 and cfg.mode != "off":  # every head with records, each batch
+    refresh = jnp.where(booting, since_n > 0, refresh)
+    reason = jnp.where(booting, _R["bootstrap"], reason).astype(jnp.int32)
+    steps = jnp.where(booting, cfg.bootstrap_steps or cfg.refresh_steps, steps)
   fired = refresh.any()
   monitor = MonitorState(
       batches=b, calib_tv=calib_tv, calib_acc=calib_acc, tv_median=tv_median, tv_mad=tv_mad,
@@ -133,7 +140,7 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
       since_tv=jnp.where(fired, 0.0, since_tv), since_n=jnp.where(fired, 0.0, since_n),
       rollout_seconds=rollout_total, refresh_seconds=m.refresh_seconds,
       last_refresh_seconds=m.last_refresh_seconds)
-  return monitor, Decision(refresh=refresh, steps=jnp.int32(steps), reason=reason,
+  return monitor, Decision(refresh=refresh, steps=jnp.asarray(steps, jnp.int32), reason=reason,
                            checked=checked, degraded=degraded, z=z)
 
 

@@ -1,0 +1,695 @@
+"""SpecRoll as one object: the best configuration by default, its state carried as one pytree.
+
+``SpecRoll`` holds every static setting of a speculative GRPO rollout (frozen, hashable);
+``init`` gives the state that outlives a batch, ``generate`` rolls a batch out and returns the
+state for the next one (optax- / gemma-sampler-style)::
+
+    sr = SpecRoll(config, sampling=cfg.sampling, group_size=cfg.group_size, max_new_tokens=256)
+    state = sr.init(heads)                               # root-conditioned heads (or None)
+    batch = sr.batch(prompts, prompt_ids)                # P prompts -> P x G rows
+    out, state = sr.generate(params, batch, state, seed=step)   # out.report: what happened
+
+What runs by default (docs/design.md, "SpecRoll as one object"): root-conditioned heads and the
+group-aware lookup (the row's own text, its G - 1 siblings, earlier responses to the same prompt
+kept in the state's store) in one tree ranked by calibrated acceptance (``proposers.Merged``),
+with Reflex corrections on the heads while Reflex is awake (``proposers.MergedReflex``; it sleeps
+through batches where its corrections did not pay), the slow path refreshing the heads from
+records drawn from the rollout's own anchor hidden states (a bootstrap fit first, then on
+sustained degradation), and node budgets per bucket chosen by measured goodput on this machine
+(``goodput``). Where goodput verifies no tree (a CPU at T > 0), every ``probe_every``-th batch
+still verifies trees on its first ``probe_groups`` groups, so acceptance keeps being measured
+(the calibration, goodput's expectation and the report's ``probe_tau``) at a small cost.
+Whatever runs, the committed tokens are the target's own samples: the vanilla engine's, token for
+token.
+
+Inside a caller's ``jax.jit`` / ``jax.shard_map``: ``plan`` gives the engine and the proposer's
+parameters for a batch (host), the engine call is traceable, and ``update`` folds the rollout
+into the state (host).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import time
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from specroll_jax import adaptation as _adapt
+from specroll_jax import calibration as _cal
+from specroll_jax import goodput as _goodput
+from specroll_jax import head_kinds
+from specroll_jax import reflex as _reflex
+from specroll_jax import slow_path as _slow
+from specroll_jax import store as _store
+from specroll_jax import trainer_records as _trainer_records
+from specroll_jax._fields import check_int, check_type
+from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines import SpecEngine, VanillaEngine
+from specroll_jax.kernels import Kernels
+from specroll_jax.models.config import ModelConfig
+from specroll_jax.proposers import GroupLookup, Merged, MergedReflex, Proposer, RankedHeads
+from specroll_jax.proposers.ranked import RankedProposer, TreeStats
+from specroll_jax.reflex import ReflexConfig
+from specroll_jax.results import Rollout
+from specroll_jax.rollout import PreparedBatch, prepare_batch
+from specroll_jax.sampling import SamplingConfig, group_sample_ids
+from specroll_jax.slow_path import SlowPathConfig
+
+PyTree = Any
+
+# Reflex as the default object runs it: on the root-conditioned heads, no records in the decode
+# loop (the slow path draws them from the rollout's hidden states), asleep for 3 batches after a
+# batch whose corrections did not pay, doubling up to 24 (docs/benchmarks.md, "SpecRoll on real
+# GRPO drift")
+DEFAULT_REFLEX = ReflexConfig(conditioned=True, record_capacity=0, sleep_batches=3,
+                              sleep_max_batches=24)
+BUDGETS = ("goodput", "fixed")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupBatch:
+  """P prompts in GRPO shape: each prompt's G rows (prompt-major), sample id = prompt id * G +
+  member (``sampling.group_sample_ids``). ``rows``: the validated, padded rows."""
+
+  rows: PreparedBatch
+  prompt_ids: np.ndarray  # [P] int
+  group_size: int
+
+  @property
+  def tokens(self) -> np.ndarray:
+    """[P * G, W] right-padded prompt tokens of every row."""
+    return self.rows.tokens
+
+  @property
+  def lengths(self) -> np.ndarray:
+    return self.rows.lengths
+
+  @property
+  def sample_ids(self) -> np.ndarray:
+    return self.rows.sample_ids
+
+  @property
+  def row_prompt_ids(self) -> np.ndarray:
+    return np.repeat(self.prompt_ids, self.group_size)
+
+  def __len__(self) -> int:
+    return int(self.rows.tokens.shape[0])
+
+
+@flax.struct.dataclass
+class SpecRollState:
+  """What outlives a rollout batch (a pytree: orbax checkpoints it as is).
+
+  adaptation: the heads, Reflex's global safety and sleep, the slow path's monitor, reservoir and
+    optimiser (None without heads). proposer_params: a custom proposer's parameters (None for the
+    default). calibration: the acceptance table of the ranked tree (None for an unranked custom
+    proposer). expected [Nr]: expected accepted nodes per row-step with the best n nodes, as
+    measured so far (what goodput weighs; zeros until a tree was verified). store: earlier
+    responses per prompt (None: no store). batches: rollout batches so far. cost: the machine's
+    measured step cost (static; measured at the first goodput batch, cached on disk). owner: the
+    fingerprint of the ``SpecRoll`` settings and model this state belongs to (static).
+  """
+
+  adaptation: _adapt.AdaptationState | None
+  proposer_params: PyTree
+  calibration: _cal.Calibration | None
+  expected: Float[Array, " Nr"]
+  store: _store.StoreState | None
+  batches: Int[Array, ""]
+  cost: _goodput.CostModel | None = flax.struct.field(pytree_node=False, default=None)
+  owner: str = flax.struct.field(pytree_node=False, default="")
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """How ``generate`` rolls out one batch (host decisions, static).
+
+  mode: "speculative" (every row through the speculative engine with ``spec``), "vanilla" (the
+  compacting vanilla engine: goodput verifies no tree) or "probe" (the first ``probe_rows`` rows
+  speculative with ``spec``, the rest vanilla). reflex: "awake", "asleep" or "off".
+  """
+
+  mode: str
+  spec: SpecConfig | None
+  proposer: Proposer | None
+  probe_rows: int
+  reflex: str
+  choice: tuple[_goodput.BucketChoice, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowReport:
+  """The slow path after one batch: the monitor's decision (``slow_path.REASONS``), the heads
+  refreshed, kept and rolled back, and the refresh's seconds (compile apart)."""
+
+  decision: str
+  heads: tuple[int, ...] = ()
+  kept: tuple[int, ...] = ()
+  rolled_back: tuple[int, ...] = ()
+  refresh_seconds: float = 0.0
+  compile_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecRollReport:
+  """What one ``generate`` call did, in plain numbers.
+
+  tau: committed tokens per row-forward over the batch (1.0 when every row ran vanilla).
+  probe_tau / depth_acceptance: tau and accepted / proposed per depth of the rows that verified
+  trees (None / () when none did). expected: accepted nodes per row-step with the best n nodes,
+  after this batch. records: slow-path records drawn per head. seconds: the rollout's wall-clock
+  (compile excluded once warm) and the host work after it (calibration, store, Reflex's end of
+  batch, records, the slow path).
+  """
+
+  batch: int
+  mode: str
+  nodes: tuple[int, ...]
+  tau: float
+  probe_tau: float | None
+  depth_acceptance: tuple[float, ...]
+  expected: tuple[float, ...]
+  reflex: str
+  safety: tuple[float, ...]
+  slow: SlowReport | None
+  records: tuple[int, ...]
+  rollout_seconds: float
+  host_seconds: float
+  choice: tuple[_goodput.BucketChoice, ...] = ()
+
+
+def _owner(*parts) -> str:
+  return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecRoll:
+  """Every static setting of SpecRoll rollouts (module docstring). Defaults are the best
+  configuration measured (docs/benchmarks.md, "SpecRoll's defaults").
+
+  config: the target model. max_new_tokens: response length limit. sampling: the GRPO rule (take
+  ``GRPOConfig.sampling``). group_size: G responses per prompt (``GRPOConfig.group_size``).
+  eos_ids: ids that end a response (None: the model's). proposer: None for the default tree
+  (heads + lookup + Reflex), or any ``proposers.Proposer`` (its parameters: ``init``'s
+  ``proposer_params``; ranked proposers are calibrated too). heads_tree: the heads' expansion
+  (candidates per depth, beams). lookup: the group-aware lookup's settings (its group_size is set
+  to ``group_size``), None: no lookup. max_nodes: nodes a row's tree holds at most. reflex: Reflex's
+  constants (None: no corrections). slow: the slow path (None: ``SlowPathConfig.for_model``;
+  ``mode="off"``: none). records_per_batch: anchors drawn per batch from the rollout's hidden
+  states for the slow path. spec: buckets and the fixed node budget (None: ``SpecConfig.auto()``
+  for this backend). budget: "goodput" (nodes per bucket from the measured cost and acceptance) or
+  "fixed" (``spec``'s). probe_every, probe_groups, probe_nodes: where goodput verifies nothing,
+  every ``probe_every``-th batch verifies ``probe_nodes`` nodes per row on its first
+  ``probe_groups`` groups (0: never). store_prompts, store_per_prompt: earlier responses kept
+  (prompts, responses per prompt; None: G); 0 prompts: no store. calibration_strength /
+  calibration_decay: ``calibration.init``'s. cost_nodes: node counts goodput measures and chooses
+  from. kernels: ``Kernels.resolve``'s choice. prompt_width: pad prompts to this width (fixed
+  shapes; None: the longest prompt rounded up to 16).
+  """
+
+  config: ModelConfig
+  _: dataclasses.KW_ONLY
+  max_new_tokens: int
+  sampling: SamplingConfig = SamplingConfig()
+  group_size: int = 8
+  eos_ids: tuple[int, ...] | None = None
+  proposer: Proposer | None = None
+  heads_tree: RankedHeads = RankedHeads()
+  lookup: GroupLookup | None = GroupLookup()
+  max_nodes: int = 16
+  reflex: ReflexConfig | None = DEFAULT_REFLEX
+  slow: SlowPathConfig | None = None
+  records_per_batch: int = 512
+  spec: SpecConfig | None = None
+  budget: str = "goodput"
+  probe_every: int = 4
+  probe_groups: int = 1
+  probe_nodes: int = 4
+  store_prompts: int = 1024
+  store_per_prompt: int | None = None
+  calibration_strength: float = 8.0
+  calibration_decay: float = 0.7
+  cost_nodes: tuple[int, ...] = (0, 4)
+  kernels: str = "auto"
+  prompt_width: int | None = None
+
+  def __post_init__(self):
+    check_type(self, "config", ModelConfig)
+    check_type(self, "sampling", SamplingConfig)
+    check_type(self, "heads_tree", RankedHeads)
+    for name, lo in (("max_new_tokens", 1), ("group_size", 1), ("max_nodes", 1),
+                     ("records_per_batch", 1), ("probe_every", 0), ("probe_groups", 1),
+                     ("probe_nodes", 1), ("store_prompts", 0)):
+      check_int(self, name, lo)
+    if self.proposer is not None:
+      check_type(self, "proposer", Proposer, what="specroll_jax.proposers.Proposer")
+    if self.lookup is not None:
+      check_type(self, "lookup", GroupLookup)
+      object.__setattr__(self, "lookup", dataclasses.replace(self.lookup,
+                                                             group_size=self.group_size))
+    if self.reflex is not None:
+      check_type(self, "reflex", ReflexConfig)
+      h = self.heads_tree
+      object.__setattr__(self, "reflex", dataclasses.replace(
+          self.reflex, num_heads=h.num_heads, topk=h.topk, beams=h.beams,
+          max_nodes=h.max_nodes, conditioned=True))
+    if self.slow is None:
+      object.__setattr__(self, "slow", SlowPathConfig.for_model(self.config))
+    check_type(self, "slow", SlowPathConfig)
+    object.__setattr__(self, "slow", self.slow.replace(
+        temperature=1.0 if self.sampling.greedy else float(self.sampling.temperature)))
+    if self.spec is None:
+      object.__setattr__(self, "spec", SpecConfig.auto())
+    check_type(self, "spec", SpecConfig)
+    if self.budget not in BUDGETS:
+      raise ValueError(f"SpecRoll.budget must be one of {BUDGETS}, got {self.budget!r}")
+    if self.store_per_prompt is None:
+      object.__setattr__(self, "store_per_prompt", self.group_size)
+    check_int(self, "store_per_prompt", 1)
+    if self.eos_ids is None:
+      object.__setattr__(self, "eos_ids", tuple(self.config.eos_token_ids))
+    object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
+    nodes = tuple(self.cost_nodes)
+    if not nodes or nodes[0] != 0 or list(nodes) != sorted(set(nodes)) or any(
+        isinstance(n, bool) or not isinstance(n, int) for n in nodes):
+      raise ValueError(f"SpecRoll.cost_nodes must be ints ascending from 0, got {self.cost_nodes}")
+    object.__setattr__(self, "cost_nodes", nodes)
+    Kernels.resolve(self.kernels)
+    if self.prompt_width is not None:
+      check_int(self, "prompt_width", 1)
+    for name in ("calibration_strength", "calibration_decay"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int | float) or not (
+          v > 0 if name == "calibration_strength" else 0 <= v <= 1):
+        lim = "> 0" if name == "calibration_strength" else "in [0, 1]"
+        raise ValueError(f"SpecRoll.{name} must be a number {lim}, got {v!r}")
+
+  # -- the proposers this object runs
+
+  @property
+  def merged(self) -> Merged:
+    """The heads + lookup tree (Reflex asleep or off)."""
+    return Merged(heads=self.heads_tree, lookup=self.lookup or GroupLookup(max_nodes=1),
+                  max_nodes=self.max_nodes)
+
+  def _ranked(self, heads, awake: bool) -> Proposer:
+    if self.proposer is not None:
+      return self.proposer
+    if heads is None:
+      return self.lookup
+    if awake:
+      return MergedReflex(merged=self.merged, reflex=self.reflex)
+    return self.merged
+
+  def _calibrated(self, heads) -> RankedProposer | None:
+    """The ranked proposer whose table the state calibrates (None: nothing to calibrate)."""
+    p = self._ranked(heads, False)
+    return p if isinstance(p, RankedProposer) else None
+
+  # -- state
+
+  def init(self, heads=None, *, proposer_params=None) -> SpecRollState:
+    """A fresh state: ``heads`` (root-conditioned ``cond_heads.CondHeads`` for the default tree;
+    Medusa ``heads.Heads`` run it without Reflex; None: the lookup alone), or a custom proposer's
+    ``proposer_params``."""
+    if self.proposer is not None:
+      if heads is not None or proposer_params is None:
+        raise ValueError("SpecRoll(proposer=...) takes its parameters as init(proposer_params="
+                         "...), not heads")
+      self.proposer.validate(self.config, proposer_params)
+    elif proposer_params is not None:
+      raise ValueError("proposer_params is for SpecRoll(proposer=...); the default proposer "
+                       "takes init(heads)")
+    if heads is None and self.proposer is None and self.lookup is None:
+      raise ValueError("SpecRoll(lookup=None) without heads proposes nothing: pass heads to init "
+                       "or keep the lookup")
+    adapt = None
+    if heads is not None:
+      head_kinds.validate(self.config, heads, self.heads_tree.num_heads)
+      reflex = self.reflex if head_kinds.is_conditioned(heads) else None
+      acfg = _adapt.AdaptationConfig(
+          reflex=reflex if reflex is not None else dataclasses.replace(
+              DEFAULT_REFLEX, apply_corrections=False, conditioned=head_kinds.is_conditioned(
+                  heads), num_heads=self.heads_tree.num_heads),
+          slow=self.slow, records="trainer", trainer_anchors=self.records_per_batch)
+      adapt = _adapt.init(acfg, heads)
+    prop = self._calibrated(heads)
+    cal = None
+    ranks = 1
+    if prop is not None:
+      cal = _cal.init(np.asarray(prop.default_acceptance(), np.float32).reshape(-1),
+                      strength=self.calibration_strength, decay=self.calibration_decay)
+      ranks = prop.capacity + 1
+    store = None
+    if self.store_prompts > 0 and self.lookup is not None and self.proposer is None:
+      store = _store.store_init(vocab_size=self.config.vocab_size, prompts=self.store_prompts,
+                                per_prompt=self.store_per_prompt, max_tokens=self.max_new_tokens)
+    return SpecRollState(adaptation=adapt, proposer_params=proposer_params, calibration=cal,
+                         expected=jnp.zeros((ranks,), jnp.float32), store=store,
+                         batches=jnp.int32(0), owner=self.owner(heads))
+
+  def owner(self, heads=None) -> str:
+    """The fingerprint a state of this object carries (settings, model, head family)."""
+    kind = None if heads is None else type(heads).__name__
+    return _owner(self, kind)
+
+  def check_state(self, state) -> None:
+    """ValueError unless ``state`` is this object's (``init`` of the same settings and model)."""
+    if not isinstance(state, SpecRollState):
+      raise ValueError(f"state must be a SpecRollState (SpecRoll.init), got "
+                       f"{type(state).__name__}")
+    heads = None if state.adaptation is None else state.adaptation.heads
+    if state.owner != self.owner(heads):
+      raise ValueError("state was made by another SpecRoll (other settings, model, sampling or "
+                       "group size): build it with this object's init")
+
+  # -- batches
+
+  def batch(self, prompts, prompt_ids) -> GroupBatch:
+    """P prompts (token-id lists, or a padded [P, W] array) with their global prompt ids [P]
+    (distinct ints >= 0, e.g. the data position): each repeated G times (host checks: ValueError
+    naming the argument)."""
+    ids = np.asarray(prompt_ids)
+    if ids.ndim != 1 or not np.issubdtype(ids.dtype, np.integer) or (ids.size and ids.min() < 0):
+      raise ValueError(f"prompt_ids must be a 1-D array of ints >= 0, got {ids.dtype} "
+                       f"{ids.shape}")
+    if len(prompts) != len(ids):
+      raise ValueError(f"prompts has {len(prompts)} entries but prompt_ids {len(ids)}")
+    if len(np.unique(ids)) != len(ids):
+      raise ValueError("prompt_ids holds duplicates: one id per prompt (its G rows share it)")
+    g = self.group_size
+    rows = [list(map(int, p)) for p in prompts for _ in range(g)]
+    if self.prompt_width is not None:
+      from specroll_jax.rollout import pad_prompts
+      rows, lens = pad_prompts(rows, self.prompt_width)
+    else:
+      lens = None
+    prepared = prepare_batch(self.config, rows, max_new_tokens=self.max_new_tokens,
+                             prompt_lengths=lens, sample_ids=group_sample_ids(ids, g),
+                             eos_ids=self.eos_ids)
+    return GroupBatch(rows=prepared, prompt_ids=ids.astype(np.int64), group_size=g)
+
+  # -- one batch
+
+  def plan(self, state: SpecRollState, batch: GroupBatch) -> Plan:
+    """How the next batch runs: the proposer (Reflex awake, asleep or off), the nodes per bucket
+    (goodput's choice or ``spec``'s budget) and whether it probes."""
+    adapt = state.adaptation
+    heads = None if adapt is None else adapt.heads
+    awake = (adapt is not None and self.proposer is None and self.reflex is not None
+             and head_kinds.is_conditioned(heads) and not _adapt.asleep(adapt))
+    reflex = "off" if (adapt is None or self.reflex is None or self.proposer is not None
+                       or not head_kinds.is_conditioned(heads)) else (
+        "awake" if awake else "asleep")
+    prop = self._ranked(heads, awake)
+    n = len(batch)
+    if self.budget == "fixed":
+      return Plan("speculative", self.spec, prop, n, reflex)
+    expected = np.asarray(state.expected, np.float64)
+    choice = ()
+    spec = None
+    if expected[1:].any() and state.cost is not None:
+      spec, why = _goodput.choose(state.cost, expected, n, self.spec, capacity=prop.capacity)
+      choice = tuple(why)
+    if spec is not None and any(spec.nodes):
+      return Plan("speculative", spec, prop, n, reflex, choice)
+    probe = self.probe_every > 0 and int(state.batches) % self.probe_every == 0
+    if not probe:
+      return Plan("vanilla", spec, None, 0, "off" if reflex == "off" else "idle", choice)
+    rows = min(n, self.probe_groups * self.group_size)
+    fixed = SpecConfig(bucket_fractions=(1.0,), nodes=(min(self.probe_nodes, prop.capacity),))
+    return Plan("probe", fixed, prop, rows, reflex, choice)
+
+  def proposer_params(self, state: SpecRollState, batch: GroupBatch, plan: Plan, rows=None):
+    """The parameters ``plan.proposer`` takes for ``batch`` (rows ``rows``: a slice, or all)."""
+    prop = plan.proposer
+    sel = slice(None) if rows is None else rows
+    if self.proposer is not None:
+      return state.proposer_params if state.calibration is None else _with_table(
+          prop, state.proposer_params, state.calibration.table())
+    table = state.calibration.table()
+    prior = None
+    if state.store is not None:
+      prior = _store.store_context(state.store, batch.row_prompt_ids[sel], batch.tokens[sel],
+                                   vocab_size=self.config.vocab_size)
+    heads = None if state.adaptation is None else state.adaptation.heads
+    if heads is None:
+      return self.lookup.context(table.reshape(self.lookup.acceptance_shape), prior=prior)
+    if isinstance(prop, MergedReflex):
+      return prop.params(heads, state.adaptation.reflex, table, prior=prior)
+    return prop.params(heads, table, prior=prior)
+
+  def engine(self, plan: Plan, rows: PreparedBatch, *, speculative: bool):
+    """The engine object a plan runs on ``rows`` (traceable; ``.jit`` compiles it once)."""
+    settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                              cache_length=rows.cache_length,
+                              kernels=Kernels.resolve(self.kernels),
+                              return_hidden=self._records_on())
+    if speculative:
+      return SpecEngine(self.config, settings, plan.proposer, plan.spec)
+    return VanillaEngine(self.config, settings)
+
+  def _records_on(self) -> bool:
+    return self.proposer is None and self.slow.mode != "off"
+
+  def generate(self, params, batch: GroupBatch, state: SpecRollState, *,
+               seed: int = 0) -> tuple[Rollout, SpecRollState]:
+    """Roll ``batch`` out under ``params`` and fold what it measured into the state. Returns
+    (the rollout, whose ``report`` is a ``SpecRollReport``; the state for the next batch). The
+    tokens are the vanilla engine's for any plan."""
+    self.check_state(state)
+    if not isinstance(batch, GroupBatch):
+      raise ValueError(f"batch must be a GroupBatch (SpecRoll.batch), got {type(batch).__name__}")
+    if batch.group_size != self.group_size:
+      raise ValueError(f"batch has group_size {batch.group_size}, this SpecRoll "
+                       f"{self.group_size}")
+    params = _place(params)
+    if self.budget == "goodput" and state.cost is None:
+      state = state.replace(cost=self.measure_cost(params, state, batch))
+    plan = self.plan(state, batch)
+    t0 = time.perf_counter()
+    out, probe_tau = self._run(params, batch, state, plan, seed)
+    jax.block_until_ready(out.tokens)
+    seconds = _all_max(time.perf_counter() - t0)
+    return self.update(params, state, batch, plan, out, seconds, seed=seed, probe_tau=probe_tau)
+
+  def _run(self, params, batch: GroupBatch, state, plan: Plan,
+           seed: int) -> tuple[Rollout, float | None]:
+    """(the rollout of ``batch`` as ``plan`` says, tau of its speculative rows or None)."""
+    rows = batch.rows
+    if plan.mode == "vanilla":
+      return self.engine(plan, rows, speculative=False).jit(params, rows.device(seed)), None
+    k = plan.probe_rows  # a probe: the first groups speculative, the rest vanilla
+    head, tail = _split(rows, k)
+    pp = self.proposer_params(state, batch, plan, slice(0, k))
+    plan.proposer.validate_batch(self.config, pp, head.tokens, head.lengths, head.sample_ids)
+    spec = self.engine(plan, head, speculative=True).jit(params, pp, head.device(seed))
+    tau = spec.stats.tokens_per_forward
+    if tail is None:
+      return spec, tau
+    rest = self.engine(plan, tail, speculative=False).jit(params, tail.device(seed))
+    return _concat(spec, rest), tau
+
+  def update(self, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: Rollout,
+             seconds: float, *, seed: int = 0,
+             probe_tau: float | None = None) -> tuple[Rollout, SpecRollState]:
+    """Fold a finished rollout of ``batch`` (run as ``plan`` says) into the state: non-finite
+    rows refused, the calibration and the expected acceptance, Reflex's end of batch, the store,
+    the slow path on records drawn from the rollout's hidden states. Returns (the rollout with
+    its ``report``, the new state)."""
+    t0 = time.perf_counter()
+    nf = np.asarray(out.stats.nonfinite)
+    if nf.any():
+      raise FloatingPointError(f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those "
+                               "rows were stopped")
+    sp = out.stats.spec
+    stats = None if sp is None else sp.proposer
+    tree = stats.tree if hasattr(stats, "tree") else stats
+    cal, expected = state.calibration, state.expected
+    if isinstance(tree, TreeStats) and cal is not None:
+      tested, hit = _all_sum(np.asarray(tree.tested)), _all_sum(np.asarray(tree.hit))
+      cal = cal.update((tested, hit))
+      steps = int(_all_sum(np.asarray(tree.row_steps)))
+      if steps > 0:
+        e = _all_sum(np.asarray(tree.expected, np.float64)) / steps
+        old = np.asarray(expected, np.float64)
+        w = 0.0 if not old[1:].any() else self.calibration_decay
+        expected = jnp.asarray(w * old + (1 - w) * e, jnp.float32)
+    adapt = state.adaptation
+    safety = ()
+    if adapt is not None:
+      glob = adapt.reflex
+      if plan.reflex == "asleep":
+        glob = glob.replace(sleep=jnp.maximum(glob.sleep - 1, 0))
+      elif plan.reflex == "awake" and hasattr(stats, "reflex"):
+        glob = _reflex.end_batch(adapt.config.reflex, glob,
+                                 jax.tree.map(_all_sum_array, stats.reflex))
+      adapt = adapt.replace(reflex=glob)
+      safety = tuple(float(x) for x in np.asarray(glob.safety))
+    store = state.store
+    if store is not None:
+      ptoks, plens = _all_rows(batch.tokens), _all_rows(batch.lengths)
+      store = _store.store_add(store, _all_rows(batch.row_prompt_ids),
+                               [ptoks[i, : plens[i]] for i in range(len(plens))],
+                               _all_rows(out.tokens), _all_rows(out.lengths))
+    slow, counts = None, ()
+    if adapt is not None and adapt.config.slow.mode != "off" and out.hidden is not None:
+      adapt, slow, counts = self._slow_path(params, adapt, batch, out, seconds, seed)
+    rollout_stats = out.stats
+    tau = rollout_stats.tokens_per_forward
+    acc = ()
+    if sp is not None:
+      acc = tuple(float(a) for a in np.asarray(rollout_stats.head_acceptance))
+    new = state.replace(adaptation=None if adapt is None else adapt.replace(
+        batches=adapt.batches + 1), calibration=cal, expected=expected, store=store,
+                        batches=state.batches + 1)
+    nodes = tuple(plan.spec.nodes or ()) if plan.spec is not None and plan.mode != "vanilla" \
+        else (0,) * len(self.spec.bucket_fractions)
+    report = SpecRollReport(
+        batch=int(state.batches), mode=plan.mode, nodes=nodes, tau=float(tau),
+        probe_tau=None if probe_tau is None else float(probe_tau), depth_acceptance=acc,
+        expected=tuple(float(x) for x in np.asarray(expected)), reflex=plan.reflex,
+        safety=safety, slow=slow, records=counts, rollout_seconds=float(seconds),
+        host_seconds=time.perf_counter() - t0, choice=plan.choice)
+    return out.replace(report=report), new
+
+  def _slow_path(self, params, adapt, batch, out, seconds, seed):
+    """Records drawn from the rollout's anchor hidden states, then the slow path's monitor and
+    refresh (``slow_path.after_batch``)."""
+    cfg = adapt.config
+    key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
+    recs = _trainer_records.from_hidden(
+        cfg.reflex, self.config, params, adapt.heads, out.hidden, out.tokens, out.lengths,
+        jnp.asarray(batch.lengths), sampling=self.sampling, key=key,
+        num_anchors=self.records_per_batch)
+    recs = _all_records(recs)
+    valid = np.asarray(recs.valid, np.float64)
+    hit = np.asarray(recs.hit, np.float64) * valid
+    acc = np.where(valid.sum(1) > 0, hit.sum(1) / np.maximum(valid.sum(1), 1), np.nan)
+    slow, heads, rep = _slow.after_batch(cfg.slow, adapt.slow, self.config, params, adapt.heads,
+                                         recs, jnp.asarray(acc, jnp.float32), float(seconds))
+    report = SlowReport(decision=rep["decision"], heads=tuple(rep["heads"]),
+                        kept=tuple(rep["kept"]), rolled_back=tuple(rep["rolled_back"]),
+                        refresh_seconds=float(rep["refresh_seconds"]),
+                        compile_seconds=float(rep["compile_seconds"]))
+    return adapt.replace(slow=slow, heads=heads), report, tuple(int(c) for c in rep["records"])
+
+  # -- goodput
+
+  def measure_cost(self, params, state: SpecRollState, batch: GroupBatch) -> _goodput.CostModel:
+    """The step cost of this machine for the batch's bucket rows x ``cost_nodes`` (cached on disk
+    per machine, model, proposer and shapes: ``goodput.measure_cost``)."""
+    heads = None if state.adaptation is None else state.adaptation.heads
+    prop = self._ranked(heads, False)
+    plan = Plan("speculative", self.spec, prop, len(batch), "off")
+    pp = self.proposer_params(state, batch, plan)
+    kept = self.spec.bucket_shapes(len(batch), prop.capacity)
+    rows = tuple(sorted({kept[0][0], kept[-1][0]}, reverse=True))
+    return _goodput.measure_cost(self.config, params, prop, pp, batch.tokens, batch.lengths,
+                                 settings=self.engine(plan, batch.rows, speculative=False).settings,
+                                 rows=rows, node_counts=self.cost_nodes, progress=False)
+
+
+def _with_table(prop, params, table):
+  """A custom ranked proposer's parameters with the calibrated table (where they hold one)."""
+  if hasattr(params, "acceptance"):
+    return params.replace(acceptance=jnp.asarray(table, jnp.float32).reshape(
+        np.shape(params.acceptance)))
+  return params
+
+
+def _place(params):
+  """The parameters on this process's first device (one placement for every call: a parameter
+  tree that left a train step replicated over a mesh compiles no second rollout)."""
+  dev = jax.local_devices()[0]
+
+  def one(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      x = x.addressable_data(0)
+    return jax.device_put(x, dev)
+
+  return jax.tree.map(one, params)
+
+
+def _split(rows: PreparedBatch, k: int) -> tuple[PreparedBatch, PreparedBatch | None]:
+  cut = lambda a, s: a[s]
+  head = PreparedBatch(cut(rows.tokens, slice(0, k)), cut(rows.lengths, slice(0, k)),
+                       cut(rows.sample_ids, slice(0, k)), rows.eos_ids, rows.cache_length)
+  if k >= rows.tokens.shape[0]:
+    return head, None
+  tail = PreparedBatch(cut(rows.tokens, slice(k, None)), cut(rows.lengths, slice(k, None)),
+                       cut(rows.sample_ids, slice(k, None)), rows.eos_ids, rows.cache_length)
+  return head, tail
+
+
+def _concat(spec: Rollout, rest: Rollout) -> Rollout:
+  """One rollout of the rows of ``spec`` then ``rest`` (tokens, logprobs, hidden by row; counters
+  added; the speculative statistics are ``spec``'s)."""
+  cat = lambda a, b: None if a is None else jnp.concatenate([a, b], axis=0)
+  st = spec.stats.replace(
+      target_forwards=jnp.maximum(spec.stats.target_forwards, rest.stats.target_forwards),
+      row_forwards=spec.stats.row_forwards + rest.stats.row_forwards,
+      tokens=spec.stats.tokens + rest.stats.tokens,
+      nonfinite=cat(spec.stats.nonfinite, rest.stats.nonfinite))
+  return spec.replace(tokens=cat(spec.tokens, rest.tokens), lengths=cat(spec.lengths, rest.lengths),
+                      logprobs=cat(spec.logprobs, rest.logprobs),
+                      hidden=cat(spec.hidden, rest.hidden), stats=st)
+
+
+# -- several processes: every process folds the same numbers into the same state
+
+
+def _all_sum(x: np.ndarray) -> np.ndarray:
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(np.asarray(x))).sum(0)
+
+
+def _all_sum_array(x):
+  return jnp.asarray(_all_sum(np.asarray(x)))
+
+
+def _all_rows(x) -> np.ndarray:
+  x = np.asarray(x)
+  if jax.process_count() == 1:
+    return x
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _all_max(x: float) -> float:
+  """The largest of every process's ``x`` (seconds: the batch took as long as its slowest
+  process)."""
+  if jax.process_count() == 1:
+    return float(x)
+  from jax.experimental import multihost_utils
+  return float(np.asarray(multihost_utils.process_allgather(np.float64(x))).max())
+
+
+def _all_records(recs):
+  """Every process's records of the batch (a process draws from its own rows), concatenated on
+  the records axis, so every process's slow path sees the same records."""
+  if jax.process_count() == 1:
+    return recs
+  from jax.experimental import multihost_utils
+
+  def gather(x):
+    if x is None:
+      return None
+    g = np.asarray(multihost_utils.process_allgather(np.asarray(x)))  # [N, K, n, ...] or [N, K]
+    if g.ndim == 2:  # the counts [N, K]: summed
+      return jnp.asarray(g.sum(0))
+    return jnp.asarray(np.concatenate(list(g), axis=1))
+
+  return jax.tree.map(gather, recs)
+
+
+__all__ = ["BUDGETS", "DEFAULT_REFLEX", "GroupBatch", "Plan", "SlowReport", "SpecRoll",
+           "SpecRollReport", "SpecRollState"]
