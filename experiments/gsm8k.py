@@ -17,11 +17,14 @@ update (every device on one ``data`` axis). Accuracy on held-out test problems (
 sample each at the training temperature with fixed seeds) is measured
 before the first step and after the last.
 
-``--rollout specroll`` (default) proposes with the heads shipped beside the model (root-conditioned
-heads when there are, else Medusa heads) + Reflex + the slow path, carried across steps, with node
-budgets chosen by measured goodput (``--budget``); every committed token is the policy's own
-sample, so the vanilla run (the compacting vanilla engine) on the same batches and seeds gives the
-same tokens, rewards and parameters. Both runs write metrics.jsonl, rollout traces (tensorstore)
+``--rollout specroll`` (default) rolls out through ``specroll_jax.SpecRoll`` with its defaults: the
+heads shipped beside the model (root-conditioned heads when there are) and the group-aware lookup
+in one ranked tree, Reflex corrections while they pay, the slow path (a bootstrap fit, then
+refreshes on sustained degradation), node budgets chosen by measured goodput (``--budget``), and
+probes of the trees' acceptance where goodput verifies none; the first lines printed say what is
+on. Every committed token is the policy's own sample, so the vanilla run (the compacting vanilla
+engine) on the same batches and seeds gives the same tokens, rewards and parameters. Both runs
+write metrics.jsonl, rollout traces (tensorstore)
 and orbax checkpoints; the comparison table and plots (reward, accuracy, tau, entropy, time split,
 logprob gap) go to --out. Compile time is measured separately (a warm-up call per engine) and
 never enters a speed.
@@ -48,7 +51,7 @@ from specroll_jax.grpo import OLD_POLICIES, GRPOConfig
 from specroll_jax.grpo.loop import ROLLOUTS, Run, RunConfig, read_metrics
 from specroll_jax.kernels import CHOICES as KERNEL_CHOICES
 from specroll_jax.progress import is_terminal
-from specroll_jax.reflex import ReflexConfig
+from specroll_jax.specroll import DEFAULT_REFLEX
 
 
 def parse(argv):
@@ -90,29 +93,33 @@ def parse(argv):
                        "library's default)")
   ap.add_argument("--node-budget", type=int, default=None,
                   help="tree nodes per verify forward (default: the --spec preset's)")
-  ap.add_argument("--spec", default="cpu", choices=["cpu", "h200"], help="SpecConfig preset")
+  ap.add_argument("--spec", default="auto", choices=["auto", "cpu", "h200"],
+                  help="SpecConfig preset (auto: the CPU or the GPU/TPU one, by the backend)")
   ap.add_argument("--budget", default="goodput", choices=["goodput", "fixed"],
                   help="goodput: node counts per bucket from this machine's measured cost and the "
                        "measured acceptance; fixed: the --spec preset's budget")
   ap.add_argument("--rollout", default="specroll", choices=list(ROLLOUTS))
   ap.add_argument("--slow-path", default="degradation", choices=list(SP.MODES))
-  ap.add_argument("--slow-records", default="rollout", choices=list(adaptation.RECORD_SOURCES),
-                  help="where the slow path's records come from: Reflex's, matured in the decode "
-                       "loop (rollout), or the GRPO step's own forward of the batch (trainer: "
-                       "none recorded in the decode loop; AdaptationConfig.records)")
-  ap.add_argument("--reflex-sleep", type=int, default=0,
+  ap.add_argument("--slow-records", default=None, choices=list(adaptation.RECORD_SOURCES),
+                  help="deprecated, ignored: SpecRoll draws the slow path's records from the "
+                       "rollout's own anchor hidden states (--records-per-batch)")
+  ap.add_argument("--reflex", default="on", choices=["on", "off"],
+                  help="Reflex corrections on the heads (SpecRoll.reflex; off: None)")
+  ap.add_argument("--reflex-sleep", type=int, default=DEFAULT_REFLEX.sleep_batches,
                   help="batches Reflex sleeps (the plain heads propose: no Reflex work in the "
-                       "decode loop) after a batch whose corrections did not pay; needs "
-                       "--slow-records trainer or --slow-path off (ReflexConfig.sleep_batches)")
-  ap.add_argument("--reflex-sleep-max", type=int, default=0,
-                  help="with --reflex-sleep: each further awake batch that did not pay doubles "
-                       "the sleep, up to this many batches (ReflexConfig.sleep_max_batches; 0: "
-                       "no backoff)")
-  ap.add_argument("--trainer-anchors", type=int,
-                  default=adaptation.AdaptationConfig().trainer_anchors,
-                  help="with --slow-records trainer: anchors drawn per batch from the train "
-                       "step's forward, records per head per batch at most "
-                       "(AdaptationConfig.trainer_anchors)")
+                       "decode loop) after a batch whose corrections did not pay "
+                       "(ReflexConfig.sleep_batches)")
+  ap.add_argument("--reflex-sleep-max", type=int, default=DEFAULT_REFLEX.sleep_max_batches,
+                  help="each further awake batch that did not pay doubles the sleep, up to this "
+                       "many batches (ReflexConfig.sleep_max_batches; 0: no backoff)")
+  ap.add_argument("--records-per-batch", "--trainer-anchors", dest="records_per_batch", type=int,
+                  default=RunConfig().records_per_batch,
+                  help="anchors drawn per batch from the rollout's hidden states for the slow "
+                       "path, records per head at most (SpecRoll.records_per_batch; "
+                       "--trainer-anchors is its deprecated name)")
+  ap.add_argument("--slow-bootstrap", type=int, default=None,
+                  help="batches of the slow path's bootstrap fit of the heads to the target "
+                       "(SlowPathConfig.bootstrap_batches; default: SlowPathConfig.for_model's)")
   ap.add_argument("--slow-step-chunks", type=int, default=None,
                   help="slow-path reservoir chunks per optimiser step, 0 = full batch (default: "
                        "the slow-path preset's; SlowPathConfig.step_chunks)")
@@ -144,13 +151,12 @@ def parse(argv):
       setattr(a, name, if_syn if syn else if_gsm8k)
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
               beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0,
-              reflex_sleep_max=0,
-              trainer_anchors=1, slow_step_chunks=0)
+              reflex_sleep_max=0, records_per_batch=1, slow_step_chunks=0, slow_bootstrap=0)
   if a.slow_refresh_budget is not None and not 0 <= a.slow_refresh_budget < float("inf"):
     cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
-  if a.reflex_sleep > 0 and a.slow_records == "rollout" and a.slow_path != "off":
-    cli.fail("--reflex-sleep", a.reflex_sleep, "needs --slow-records trainer or --slow-path off "
-             "(a sleeping Reflex records nothing for the slow path)")
+  if a.slow_records is not None:
+    print(f"note: --slow-records {a.slow_records} is deprecated and ignored: SpecRoll draws the "
+          "slow path's records from the rollout's own hidden states", file=sys.stderr)
   try:
     _synthetic.Difficulty.from_level(a.level)
   except ValueError as e:
@@ -181,7 +187,8 @@ def check_processes(a) -> None:
   """--coordinator, --num-processes, --process-id: all three or none, each valid. Several
   processes: each decodes and scores the rows its devices hold, the update is one data-parallel
   step over every process's devices, process 0 writes metrics, traces, the summary and plots
-  (``grpo.loop.Run``; tests/test_multiprocess.py). SpecRoll's adaptation is one process only."""
+  (``grpo.loop.Run``; tests/test_multiprocess.py). SpecRoll's state is the same in every
+  process (its statistics are all-reduced)."""
   flags = {"--coordinator": a.coordinator, "--num-processes": a.num_processes,
            "--process-id": a.process_id}
   missing = [f for f, v in flags.items() if v is None]
@@ -195,10 +202,6 @@ def check_processes(a) -> None:
   except ValueError as e:
     flag = "--" + str(e).split(" ", 1)[0].replace("_", "-")
     cli.fail(flag, flags.get(flag), str(e))
-  if a.num_processes > 1 and a.rollout == "specroll":
-    cli.fail("--rollout", a.rollout, f"with --num-processes {a.num_processes}: SpecRoll's "
-             "adaptation state is per process and not checkpointed across processes yet; use "
-             "--rollout vanilla or static-heads (the same tokens)")
 
 
 def run_config(a, *, rollout_kind: str) -> RunConfig:
@@ -208,28 +211,27 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   grpo = GRPOConfig(group_size=a.group, learning_rate=lr, beta=a.beta, warmup_steps=a.warmup,
                     clip_eps_low=a.clip[0], clip_eps_high=a.clip[1], old_policy=a.old_policy,
                     sampling=sampling)
-  spec = rollout.SpecConfig.for_h200() if a.spec == "h200" else rollout.SpecConfig.for_cpu()
+  spec = {"auto": rollout.SpecConfig.auto, "cpu": rollout.SpecConfig.for_cpu,
+          "h200": rollout.SpecConfig.for_h200}[a.spec]()
   if a.node_budget is not None:
     spec = dataclasses.replace(spec, node_budget=a.node_budget)
-  slow = SP.SlowPathConfig(mode=a.slow_path)
-  if a.model is None:  # a short CPU run: windows sized for tens of steps, not thousands, and the
-    # settings the drift replay tuned for the embedded model's heads
-    slow = SP.SlowPathConfig.for_small_models(mode=a.slow_path)
-  if a.slow_step_chunks is not None:
-    slow = slow.replace(step_chunks=a.slow_step_chunks)
-  if a.slow_refresh_budget is not None:
-    slow = slow.replace(degradation_budget=a.slow_refresh_budget)
-  if a.slow_refresh_vocab is not None:
-    slow = slow.replace(refresh_vocab=a.slow_refresh_vocab)
-  reflex = ReflexConfig(topk=spec.topk, sleep_batches=a.reflex_sleep,
-                        sleep_max_batches=a.reflex_sleep_max)
-  if a.slow_records == "trainer":  # the decode loop records nothing
-    reflex = dataclasses.replace(reflex, record_capacity=0)
-  adapt = adaptation.AdaptationConfig(reflex=reflex, slow=slow, records=a.slow_records,
-                                      trainer_anchors=a.trainer_anchors)
+  # the embedded model: the small-model preset (windows sized for tens of steps, the settings the
+  # drift replay tuned for its heads); a real model: the library's defaults
+  small = a.model is None
+  slow = SP.SlowPathConfig.for_hidden_size(192 if small else 4096, mode=a.slow_path)
+  for name, value in (("step_chunks", a.slow_step_chunks), ("degradation_budget",
+                      a.slow_refresh_budget), ("refresh_vocab", a.slow_refresh_vocab),
+                      ("bootstrap_batches", a.slow_bootstrap)):
+    if value is not None:
+      slow = slow.replace(**{name: value})
+  reflex = None
+  if a.reflex == "on":
+    reflex = dataclasses.replace(DEFAULT_REFLEX, sleep_batches=a.reflex_sleep,
+                                 sleep_max_batches=a.reflex_sleep_max)
   return RunConfig(grpo=grpo, task=Task(name=a.task, level=a.level), prompts_per_step=a.prompts,
                    max_new_tokens=a.max_new_tokens, steps=a.steps, seed=a.seed,
-                   rollout=rollout_kind, spec=spec, adaptation=adapt, kernels=a.kernels,
+                   rollout=rollout_kind, spec=spec, reflex=reflex, slow=slow,
+                   records_per_batch=a.records_per_batch, kernels=a.kernels,
                    eval_every=a.eval_every, eval_prompts=a.eval_prompts,
                    goodput=a.budget == "goodput")
 
@@ -237,6 +239,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
 def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[list, dict, Run]:
   config, params, tok = model
   r = Run(cfg, config, params, tok, heads, out, resume=resume)
+  if r.sr is not None:
+    print(f"[{cfg.rollout}] {r.sr.describe(r.sr_state)}", flush=True)
   compile_info = {}
   if r.next_step < cfg.steps:
     warm = r.warmup()
@@ -248,10 +252,12 @@ def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[
   while r.next_step < cfg.steps:
     rec = r.step()
     recs.append(rec)
+    probe = rec.get("probe_tau")
     print(f"[{cfg.rollout}] step {rec['step'] + 1}/{cfg.steps}  reward {rec['reward_mean']:.3f}  "
           f"acc {rec['accuracy']:.3f}  mixed groups {rec['groups_mixed']}/{cfg.prompts_per_step}  "
-          f"tau {rec['tau']:.2f}  rollout {rec['rollout_seconds']:.2f} s  "
-          f"train {rec['train_seconds']:.2f} s  gap {rec['logp_gap_max']:.1e}", flush=True)
+          f"tau {rec['tau']:.2f}" + ("" if probe is None else f" (trees: {probe:.2f})") +
+          f"  rollout {rec['rollout_seconds']:.2f} s  train {rec['train_seconds']:.2f} s  "
+          f"gap {rec['logp_gap_max']:.1e}", flush=True)
   if compile_info and recs:  # warm-up minus the same work done again (the first step)
     compile_info["rollout_compile_seconds"] = max(
         compile_info["rollout_warmup_seconds"] - recs[0]["rollout_seconds"]
@@ -259,6 +265,12 @@ def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[
     compile_info["train_compile_seconds"] = max(
         compile_info["train_warmup_seconds"] - recs[0]["train_seconds"], 0.0)
   return recs, compile_info, r
+
+
+def _mean_of(recs: list[dict], key: str) -> float | None:
+  """The mean of ``key`` over the records that have it (None when none has)."""
+  vals = [r[key] for r in recs if r.get(key) is not None]
+  return float(np.mean(vals)) if vals else None
 
 
 def summarize(recs: list[dict], compile_info: dict) -> dict:
@@ -269,6 +281,7 @@ def summarize(recs: list[dict], compile_info: dict) -> dict:
           "adaptation_seconds": float(get("adaptation_seconds").sum()),
           "train_seconds": float(get("train_seconds").sum()),
           "step_seconds": float(get("step_seconds").sum()), "tau": float(get("tau").mean()),
+          "probe_tau": _mean_of(recs, "probe_tau"),
           "reward_mean": float(get("reward_mean").mean()),
           "accuracy": float(get("accuracy").mean()),
           "groups_mixed": int(get("groups_mixed").sum()),
@@ -377,7 +390,7 @@ def compare(results, runs, kinds) -> dict:
   t = Table(title="GRPO: the same batches and seeds, rollouts by each engine (seconds exclude "
                   "compile; vanilla = the compacting vanilla engine)")
   for c in ("engine", "steps", "rollout s", "adaptation s", "train s", "step s", "tau",
-            "rollout speedup", "step speedup", "reward first 3 -> last 3",
+            "tau of verified trees", "rollout speedup", "step speedup", "reward first 3 -> last 3",
             "held-out greedy before -> after", "held-out sampled before -> after",
             "mixed groups", "compile rollout s", "max |dlogp|"):
     t.add_column(c)
@@ -398,6 +411,7 @@ def compare(results, runs, kinds) -> dict:
     t.add_row(kind, str(s["steps"]), f"{s['rollout_seconds']:.2f}",
               f"{s['adaptation_seconds']:.2f}", f"{s['train_seconds']:.2f}",
               f"{s['step_seconds']:.2f}", f"{s['tau']:.3f}",
+              "-" if s.get("probe_tau") is None else f"{s['probe_tau']:.3f}",
               f"{row.get('rollout_speedup', 1.0):.2f}x", f"{row.get('step_speedup', 1.0):.2f}x",
               f"{row['reward_first3']:.3f} -> {row['reward_last3']:.3f}",
               f"{held.get('before', float('nan')):.3f} -> {held.get('after', float('nan')):.3f}",
@@ -438,7 +452,10 @@ def plot(results, path: Path) -> None:
                  ms=9, label=f"{kind}: held-out greedy, before / after")
       ax[1].plot([x[0] - 0.5, x[-1] + 0.5], [held["sampled_before"], held["sampled_after"]],
                  style[0] + "-.", ms=9, label=f"{kind}: held-out sampled (T), before / after")
-    ax[2].plot(x, [r["tau"] for r in recs], style, label=kind)
+    ax[2].plot(x, [r["tau"] for r in recs], style, label=f"{kind}: tau used")
+    probes = [(r["step"], r["probe_tau"]) for r in recs if r.get("probe_tau") is not None]
+    if probes and kind != "vanilla":
+      ax[2].plot(*zip(*probes, strict=True), "^", ms=8, label=f"{kind}: tau of verified trees")
     ax[3].plot(x, [r["entropy"] for r in recs], style, label=kind)
     ax[5].semilogy(x, [max(r["logp_gap_max"], 1e-9) for r in recs], style, label=kind)
   kinds = [k for k in results if results[k]["records"]]

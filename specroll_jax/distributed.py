@@ -112,3 +112,54 @@ def initialize(coordinator: str, num_processes: int, process_id: int, *,
   jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                              process_id=process_id,
                              initialization_timeout=max(int(round(timeout_s)), 1))
+
+
+# -- host values across processes (every process calls these at the same point; one process:
+#    the value itself)
+
+
+def _gather(x, tiled: bool = False):
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(x, tiled=tiled)
+
+
+def all_sum(x):
+  """The sum of every process's ``x`` (a numpy array or number; numpy out)."""
+  import numpy as np
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  return np.asarray(_gather(np.asarray(x))).sum(0)
+
+
+def all_max(x: float) -> float:
+  """The largest of every process's number ``x``."""
+  import numpy as np
+  if jax.process_count() == 1:
+    return float(x)
+  return float(np.asarray(_gather(np.float64(x))).max())
+
+
+def all_rows(x):
+  """Every process's rows of ``x`` concatenated in process order (axis 0; numpy out)."""
+  import numpy as np
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  return np.asarray(_gather(np.asarray(x), tiled=True))
+
+
+def all_concat(x, axis: int):
+  """Every process's ``x`` concatenated along ``axis`` (numpy out)."""
+  import numpy as np
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  return np.concatenate(list(np.asarray(_gather(np.asarray(x)))), axis=axis)
+
+
+def from_process0(x):
+  """Process 0's value of the array ``x`` in every process (e.g. a decision that depends on a
+  timing each process measured for itself)."""
+  import numpy as np
+  if jax.process_count() == 1:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(x)))

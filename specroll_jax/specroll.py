@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import flax.struct
@@ -42,20 +43,29 @@ from jaxtyping import Array, Float, Int
 
 from specroll_jax import adaptation as _adapt
 from specroll_jax import calibration as _cal
+from specroll_jax import distributed, head_kinds
+from specroll_jax import executables as _exe
 from specroll_jax import goodput as _goodput
-from specroll_jax import head_kinds
 from specroll_jax import reflex as _reflex
 from specroll_jax import slow_path as _slow
 from specroll_jax import store as _store
 from specroll_jax import trainer_records as _trainer_records
 from specroll_jax._fields import check_int, check_type
 from specroll_jax.config import DecodeSettings, SpecConfig
-from specroll_jax.engines import SpecEngine, VanillaEngine
+from specroll_jax.engines import SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
 from specroll_jax.models.config import ModelConfig
-from specroll_jax.proposers import GroupLookup, Merged, MergedReflex, Proposer, RankedHeads
+from specroll_jax.proposers import (
+  GroupLookup,
+  Merged,
+  MergedReflex,
+  MergedReflexStats,
+  Proposer,
+  RankedHeads,
+)
 from specroll_jax.proposers.ranked import RankedProposer, TreeStats
 from specroll_jax.reflex import ReflexConfig
+from specroll_jax.reports import SlowReport, SpecRollReport
 from specroll_jax.results import Rollout
 from specroll_jax.rollout import PreparedBatch, prepare_batch
 from specroll_jax.sampling import SamplingConfig, group_sample_ids
@@ -70,6 +80,7 @@ PyTree = Any
 DEFAULT_REFLEX = ReflexConfig(conditioned=True, record_capacity=0, sleep_batches=3,
                               sleep_max_batches=24)
 BUDGETS = ("goodput", "fixed")
+MIN_PROMPT_WIDTH = 32  # prompts pad to a power of two at least this wide: few shapes, few compiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +108,11 @@ class GroupBatch:
   @property
   def row_prompt_ids(self) -> np.ndarray:
     return np.repeat(self.prompt_ids, self.group_size)
+
+  def row_prompts(self, rows=slice(None)) -> list[np.ndarray]:
+    """Each row's prompt tokens (unpadded), for the rows ``rows``."""
+    idx = np.arange(len(self))[rows]
+    return [self.tokens[i, : self.lengths[i]] for i in idx]
 
   def __len__(self) -> int:
     return int(self.rows.tokens.shape[0])
@@ -143,47 +159,6 @@ class Plan:
   choice: tuple[_goodput.BucketChoice, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class SlowReport:
-  """The slow path after one batch: the monitor's decision (``slow_path.REASONS``), the heads
-  refreshed, kept and rolled back, and the refresh's seconds (compile apart)."""
-
-  decision: str
-  heads: tuple[int, ...] = ()
-  kept: tuple[int, ...] = ()
-  rolled_back: tuple[int, ...] = ()
-  refresh_seconds: float = 0.0
-  compile_seconds: float = 0.0
-
-
-@dataclasses.dataclass(frozen=True)
-class SpecRollReport:
-  """What one ``generate`` call did, in plain numbers.
-
-  tau: committed tokens per row-forward over the batch (1.0 when every row ran vanilla).
-  probe_tau / depth_acceptance: tau and accepted / proposed per depth of the rows that verified
-  trees (None / () when none did). expected: accepted nodes per row-step with the best n nodes,
-  after this batch. records: slow-path records drawn per head. seconds: the rollout's wall-clock
-  (compile excluded once warm) and the host work after it (calibration, store, Reflex's end of
-  batch, records, the slow path).
-  """
-
-  batch: int
-  mode: str
-  nodes: tuple[int, ...]
-  tau: float
-  probe_tau: float | None
-  depth_acceptance: tuple[float, ...]
-  expected: tuple[float, ...]
-  reflex: str
-  safety: tuple[float, ...]
-  slow: SlowReport | None
-  records: tuple[int, ...]
-  rollout_seconds: float
-  host_seconds: float
-  choice: tuple[_goodput.BucketChoice, ...] = ()
-
-
 def _owner(*parts) -> str:
   return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
 
@@ -210,7 +185,11 @@ class SpecRoll:
   (prompts, responses per prompt; None: G); 0 prompts: no store. calibration_strength /
   calibration_decay: ``calibration.init``'s. cost_nodes: node counts goodput measures and chooses
   from. kernels: ``Kernels.resolve``'s choice. prompt_width: pad prompts to this width (fixed
-  shapes; None: the longest prompt rounded up to 16).
+  shapes; None: the longest prompt of the batch rounded up to a power of two, at least 32, so
+  batches of similar prompts share their programs). params_from: None, or a function (hashable,
+  e.g. one ``functools.partial`` per integration) that maps the ``params`` a caller passes to the
+  decoder's parameter tree; the compiled rollouts apply it inside (another framework's weights
+  are read in place: ``integrations.tunix``), the host work after them eagerly.
   """
 
   config: ModelConfig
@@ -238,6 +217,7 @@ class SpecRoll:
   cost_nodes: tuple[int, ...] = (0, 4)
   kernels: str = "auto"
   prompt_width: int | None = None
+  params_from: Callable | None = None
 
   def __post_init__(self):
     check_type(self, "config", ModelConfig)
@@ -295,17 +275,24 @@ class SpecRoll:
   @property
   def merged(self) -> Merged:
     """The heads + lookup tree (Reflex asleep or off)."""
-    return Merged(heads=self.heads_tree, lookup=self.lookup or GroupLookup(max_nodes=1),
-                  max_nodes=self.max_nodes)
+    return Merged(heads=self.heads_tree, lookup=self.lookup, max_nodes=self.max_nodes)
 
   def _ranked(self, heads, awake: bool) -> Proposer:
     if self.proposer is not None:
       return self.proposer
     if heads is None:
       return self.lookup
+    if self.lookup is None:
+      return self.heads_tree
     if awake:
       return MergedReflex(merged=self.merged, reflex=self.reflex)
     return self.merged
+
+  def _has_reflex(self, state) -> bool:
+    """Reflex corrects this state's heads (root-conditioned heads in the default tree)."""
+    adapt = state.adaptation
+    return (adapt is not None and self.proposer is None and self.reflex is not None
+            and self.lookup is not None and head_kinds.is_conditioned(adapt.heads))
 
   def _calibrated(self, heads) -> RankedProposer | None:
     """The ranked proposer whose table the state calibrates (None: nothing to calibrate)."""
@@ -338,7 +325,7 @@ class SpecRoll:
               DEFAULT_REFLEX, apply_corrections=False, conditioned=head_kinds.is_conditioned(
                   heads), num_heads=self.heads_tree.num_heads),
           slow=self.slow, records="trainer", trainer_anchors=self.records_per_batch)
-      adapt = _adapt.init(acfg, heads)
+      adapt = _place(_adapt.init(acfg, heads))
     prop = self._calibrated(heads)
     cal = None
     ranks = 1
@@ -369,6 +356,30 @@ class SpecRoll:
       raise ValueError("state was made by another SpecRoll (other settings, model, sampling or "
                        "group size): build it with this object's init")
 
+  def describe(self, state: SpecRollState) -> str:
+    """One line: what proposes, how budgets are chosen, what adapts."""
+    heads = None if state.adaptation is None else state.adaptation.heads
+    if self.proposer is not None:
+      what = f"{type(self.proposer).__name__} (custom)"
+    else:
+      parts = [] if heads is None else [f"{type(heads).__name__} heads"]
+      if self.lookup is not None:
+        parts.append(f"group lookup (G = {self.group_size}, own text, siblings"
+                     + (", earlier responses)" if state.store is not None else ")"))
+      what = " + ".join(parts) + " in one tree ranked by calibrated acceptance"
+    budget = (f"goodput budgets from this machine's measured cost (probe every "
+              f"{self.probe_every} batches where none pays)" if self.budget == "goodput"
+              else f"fixed budget ({self.spec.node_budget} nodes per forward)")
+    adapt = []
+    if self._has_reflex(state):
+      adapt.append(f"Reflex (sleeps {self.reflex.sleep_batches}..{self.reflex.sleep_max_batches}"
+                   " batches when unpaid)")
+    if state.adaptation is not None and self.slow.mode != "off":
+      adapt.append(f"slow path {self.slow.mode} (bootstrap {self.slow.bootstrap_batches} batches"
+                   f", {self.records_per_batch} records per batch from the rollout)")
+    return (f"SpecRoll: {what}; {budget}; buckets {self.spec.bucket_fractions}; adaptation: "
+            + (", ".join(adapt) or "none"))
+
   # -- batches
 
   def batch(self, prompts, prompt_ids) -> GroupBatch:
@@ -385,43 +396,47 @@ class SpecRoll:
       raise ValueError("prompt_ids holds duplicates: one id per prompt (its G rows share it)")
     g = self.group_size
     rows = [list(map(int, p)) for p in prompts for _ in range(g)]
-    if self.prompt_width is not None:
-      from specroll_jax.rollout import pad_prompts
-      rows, lens = pad_prompts(rows, self.prompt_width)
-    else:
-      lens = None
-    prepared = prepare_batch(self.config, rows, max_new_tokens=self.max_new_tokens,
-                             prompt_lengths=lens, sample_ids=group_sample_ids(ids, g),
-                             eos_ids=self.eos_ids)
+    longest = max((len(r) for r in rows), default=0)
+    width = self.prompt_width or max(MIN_PROMPT_WIDTH, 1 << max(longest - 1, 0).bit_length())
+    if longest > width:
+      raise ValueError(f"a prompt has {longest} tokens, more than prompt_width={width}")
+    padded = np.zeros((len(rows), width), np.int64)
+    for i, r in enumerate(rows):
+      padded[i, : len(r)] = r
+    prepared = prepare_batch(self.config, padded,
+                             max_new_tokens=self.max_new_tokens,
+                             prompt_lengths=np.asarray([len(r) for r in rows]),
+                             sample_ids=group_sample_ids(ids, g), eos_ids=self.eos_ids)
     return GroupBatch(rows=prepared, prompt_ids=ids.astype(np.int64), group_size=g)
 
   # -- one batch
 
-  def plan(self, state: SpecRollState, batch: GroupBatch) -> Plan:
+  def plan(self, state: SpecRollState, batch: GroupBatch, *, probe: bool | None = None,
+           reflex: str | None = None) -> Plan:
     """How the next batch runs: the proposer (Reflex awake, asleep or off), the nodes per bucket
-    (goodput's choice or ``spec``'s budget) and whether it probes."""
+    (goodput's choice or ``spec``'s budget) and whether it probes (``probe`` / ``reflex``
+    override the state's answer: what ``warmup`` compiles)."""
     adapt = state.adaptation
     heads = None if adapt is None else adapt.heads
-    awake = (adapt is not None and self.proposer is None and self.reflex is not None
-             and head_kinds.is_conditioned(heads) and not _adapt.asleep(adapt))
-    reflex = "off" if (adapt is None or self.reflex is None or self.proposer is not None
-                       or not head_kinds.is_conditioned(heads)) else (
-        "awake" if awake else "asleep")
-    prop = self._ranked(heads, awake)
+    has_reflex = self._has_reflex(state)
+    if reflex is None:
+      reflex = "off" if not has_reflex else ("asleep" if _adapt.asleep(adapt) else "awake")
+    prop = self._ranked(heads, reflex == "awake")
     n = len(batch)
     if self.budget == "fixed":
       return Plan("speculative", self.spec, prop, n, reflex)
     expected = np.asarray(state.expected, np.float64)
-    choice = ()
-    spec = None
+    choice, spec = (), None
     if expected[1:].any() and state.cost is not None:
-      spec, why = _goodput.choose(state.cost, expected, n, self.spec, capacity=prop.capacity)
-      choice = tuple(why)
+      spec, choice = _goodput.choose(state.cost, expected, n, self.spec, capacity=prop.capacity)
+      nodes = distributed.from_process0(np.asarray(spec.nodes, np.int32))  # one choice for all
+      spec = dataclasses.replace(spec, nodes=tuple(int(x) for x in nodes))
     if spec is not None and any(spec.nodes):
       return Plan("speculative", spec, prop, n, reflex, choice)
-    probe = self.probe_every > 0 and int(state.batches) % self.probe_every == 0
+    if probe is None:
+      probe = self.probe_every > 0 and int(state.batches) % self.probe_every == 0
     if not probe:
-      return Plan("vanilla", spec, None, 0, "off" if reflex == "off" else "idle", choice)
+      return Plan("vanilla", spec, None, 0, "idle" if has_reflex else "off", choice)
     rows = min(n, self.probe_groups * self.group_size)
     fixed = SpecConfig(bucket_fractions=(1.0,), nodes=(min(self.probe_nodes, prop.capacity),))
     return Plan("probe", fixed, prop, rows, reflex, choice)
@@ -432,11 +447,11 @@ class SpecRoll:
     sel = slice(None) if rows is None else rows
     if self.proposer is not None:
       return state.proposer_params if state.calibration is None else _with_table(
-          prop, state.proposer_params, state.calibration.table())
+          state.proposer_params, state.calibration.table())
     table = state.calibration.table()
     prior = None
     if state.store is not None:
-      prior = _store.store_context(state.store, batch.row_prompt_ids[sel], batch.tokens[sel],
+      prior = _store.store_context(state.store, batch.row_prompt_ids[sel], batch.row_prompts(sel),
                                    vocab_size=self.config.vocab_size)
     heads = None if state.adaptation is None else state.adaptation.heads
     if heads is None:
@@ -446,129 +461,173 @@ class SpecRoll:
     return prop.params(heads, table, prior=prior)
 
   def engine(self, plan: Plan, rows: PreparedBatch, *, speculative: bool):
-    """The engine object a plan runs on ``rows`` (traceable; ``.jit`` compiles it once)."""
+    """The engine object a plan runs on ``rows`` (traceable inside a caller's jit). The program
+    of the whole batch hands out its anchor hidden states when the slow path draws records from
+    them; a probe's does not."""
+    hidden = self._records_on() and (plan.mode == "speculative") == speculative
     settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                               cache_length=rows.cache_length,
-                              kernels=Kernels.resolve(self.kernels),
-                              return_hidden=self._records_on())
-    if speculative:
-      return SpecEngine(self.config, settings, plan.proposer, plan.spec)
-    return VanillaEngine(self.config, settings)
+                              kernels=Kernels.resolve(self.kernels), return_hidden=hidden)
+    engine = (SpecEngine(self.config, settings, plan.proposer, plan.spec) if speculative
+              else VanillaEngine(self.config, settings))
+    return engine if self.params_from is None else Mapped(engine, self.params_from)
+
+  def decoder_params(self, params):
+    """The decoder's parameter tree of the ``params`` a caller passes (``params_from``, eagerly)."""
+    return params if self.params_from is None else self.params_from(params)
 
   def _records_on(self) -> bool:
     return self.proposer is None and self.slow.mode != "off"
+
+  def _calls(self, params, batch: GroupBatch, state, plan: Plan, seed: int):
+    """(engine, its arguments) of every program ``plan`` runs: the whole batch's, then a
+    probe's (its first rows through the speculative engine; their tokens are the same)."""
+    rows = batch.rows
+    if plan.mode == "speculative":
+      pp = self.proposer_params(state, batch, plan)
+      plan.proposer.validate_batch(self.config, pp, rows.tokens, rows.lengths, rows.sample_ids)
+      return [(self.engine(plan, rows, speculative=True), (params, pp, rows.device(seed)))]
+    calls = [(self.engine(plan, rows, speculative=False), (params, rows.device(seed)))]
+    if plan.mode == "probe":
+      head = _head(rows, plan.probe_rows)
+      pp = self.proposer_params(state, batch, plan, slice(0, plan.probe_rows))
+      plan.proposer.validate_batch(self.config, pp, head.tokens, head.lengths, head.sample_ids)
+      calls.append((self.engine(plan, head, speculative=True), (params, pp, head.device(seed))))
+    return calls
+
+  def warmup(self, params, batch: GroupBatch, state: SpecRollState) -> float:
+    """Compile every rollout program a batch of this shape can run on this machine (the vanilla
+    one, the probes with Reflex awake and asleep, or the speculative one of the current plan),
+    without running any. Returns the compile seconds. ``generate`` calls it on a state's first
+    batch, so later batches of the same shape compile nothing."""
+    t0 = _exe.compile_seconds()
+    params = _place(params)
+    plans = [self.plan(state, batch)]
+    if self.budget == "goodput":
+      plans += [self.plan(state, batch, probe=False)]
+      plans += [self.plan(state, batch, probe=True, reflex=r)
+                for r in (("awake", "asleep") if self._has_reflex(state) else ("off",))]
+    for plan in plans:
+      for engine, args in self._calls(params, batch, state, plan, 0):
+        _exe.compiled(engine, *args)
+    return _exe.compile_seconds() - t0
 
   def generate(self, params, batch: GroupBatch, state: SpecRollState, *,
                seed: int = 0) -> tuple[Rollout, SpecRollState]:
     """Roll ``batch`` out under ``params`` and fold what it measured into the state. Returns
     (the rollout, whose ``report`` is a ``SpecRollReport``; the state for the next batch). The
-    tokens are the vanilla engine's for any plan."""
+    tokens are the vanilla engine's whatever the plan."""
     self.check_state(state)
     if not isinstance(batch, GroupBatch):
       raise ValueError(f"batch must be a GroupBatch (SpecRoll.batch), got {type(batch).__name__}")
     if batch.group_size != self.group_size:
       raise ValueError(f"batch has group_size {batch.group_size}, this SpecRoll "
                        f"{self.group_size}")
+    check_seed(seed)
     params = _place(params)
+    if state.adaptation is not None:  # one placement for every call (a restored checkpoint's too)
+      state = state.replace(adaptation=_place(state.adaptation))
+    c0 = _exe.compile_seconds()
     if self.budget == "goodput" and state.cost is None:
       state = state.replace(cost=self.measure_cost(params, state, batch))
+    if int(state.batches) == 0:
+      self.warmup(params, batch, state)
     plan = self.plan(state, batch)
+    calls = self._calls(params, batch, state, plan, seed)
+    for engine, args in calls:  # anything not warm compiles here, outside the timed part
+      _exe.compiled(engine, *args)
+    compile_s = _exe.compile_seconds() - c0
     t0 = time.perf_counter()
-    out, probe_tau = self._run(params, batch, state, plan, seed)
+    out = _exe.run(*calls[0][0:1], *calls[0][1])
     jax.block_until_ready(out.tokens)
-    seconds = _all_max(time.perf_counter() - t0)
-    return self.update(params, state, batch, plan, out, seconds, seed=seed, probe_tau=probe_tau)
-
-  def _run(self, params, batch: GroupBatch, state, plan: Plan,
-           seed: int) -> tuple[Rollout, float | None]:
-    """(the rollout of ``batch`` as ``plan`` says, tau of its speculative rows or None)."""
-    rows = batch.rows
-    if plan.mode == "vanilla":
-      return self.engine(plan, rows, speculative=False).jit(params, rows.device(seed)), None
-    k = plan.probe_rows  # a probe: the first groups speculative, the rest vanilla
-    head, tail = _split(rows, k)
-    pp = self.proposer_params(state, batch, plan, slice(0, k))
-    plan.proposer.validate_batch(self.config, pp, head.tokens, head.lengths, head.sample_ids)
-    spec = self.engine(plan, head, speculative=True).jit(params, pp, head.device(seed))
-    tau = spec.stats.tokens_per_forward
-    if tail is None:
-      return spec, tau
-    rest = self.engine(plan, tail, speculative=False).jit(params, tail.device(seed))
-    return _concat(spec, rest), tau
+    t1 = time.perf_counter()
+    probe_tau, probe = None, None
+    if plan.mode == "probe":
+      probe = _exe.run(calls[1][0], *calls[1][1])
+      jax.block_until_ready(probe.tokens)
+      probe_tau = probe.stats.tokens_per_forward
+    elif plan.mode == "speculative":
+      probe, probe_tau = out, out.stats.tokens_per_forward
+    seconds = distributed.all_max(time.perf_counter() - t0)
+    probe_s = time.perf_counter() - t1 if plan.mode == "probe" else 0.0
+    return self.update(params, state, batch, plan, out, probe, seconds, seed=seed,
+                       probe_tau=probe_tau, probe_seconds=probe_s, compile_seconds=compile_s)
 
   def update(self, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: Rollout,
-             seconds: float, *, seed: int = 0,
-             probe_tau: float | None = None) -> tuple[Rollout, SpecRollState]:
-    """Fold a finished rollout of ``batch`` (run as ``plan`` says) into the state: non-finite
-    rows refused, the calibration and the expected acceptance, Reflex's end of batch, the store,
-    the slow path on records drawn from the rollout's hidden states. Returns (the rollout with
+             spec: Rollout | None, seconds: float, *, seed: int = 0,
+             probe_tau: float | None = None, probe_seconds: float = 0.0,
+             compile_seconds: float = 0.0) -> tuple[Rollout, SpecRollState]:
+    """Fold a finished rollout of ``batch`` into the state (``spec``: the rollout of the rows
+    that verified trees, ``out`` itself or a probe's; None: none did): non-finite rows refused,
+    the calibration and the expected acceptance from ``spec``'s counts, Reflex's end of batch,
+    the store, the slow path on records drawn from ``out``'s hidden states. Returns (``out`` with
     its ``report``, the new state)."""
     t0 = time.perf_counter()
     nf = np.asarray(out.stats.nonfinite)
     if nf.any():
       raise FloatingPointError(f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those "
                                "rows were stopped")
-    sp = out.stats.spec
-    stats = None if sp is None else sp.proposer
-    tree = stats.tree if hasattr(stats, "tree") else stats
+    stats = None if spec is None else spec.stats.spec.proposer
+    tree = stats.tree if isinstance(stats, MergedReflexStats) else stats
     cal, expected = state.calibration, state.expected
     if isinstance(tree, TreeStats) and cal is not None:
-      tested, hit = _all_sum(np.asarray(tree.tested)), _all_sum(np.asarray(tree.hit))
-      cal = cal.update((tested, hit))
-      steps = int(_all_sum(np.asarray(tree.row_steps)))
+      cal = cal.update((distributed.all_sum(tree.tested), distributed.all_sum(tree.hit)))
+      steps = int(distributed.all_sum(tree.row_steps))
       if steps > 0:
-        e = _all_sum(np.asarray(tree.expected, np.float64)) / steps
+        e = distributed.all_sum(np.asarray(tree.expected, np.float64)) / steps
         old = np.asarray(expected, np.float64)
-        w = 0.0 if not old[1:].any() else self.calibration_decay
+        w = self.calibration_decay if old[1:].any() else 0.0
         expected = jnp.asarray(w * old + (1 - w) * e, jnp.float32)
     adapt = state.adaptation
     safety = ()
     if adapt is not None:
       glob = adapt.reflex
-      if plan.reflex == "asleep":
-        glob = glob.replace(sleep=jnp.maximum(glob.sleep - 1, 0))
-      elif plan.reflex == "awake" and hasattr(stats, "reflex"):
-        glob = _reflex.end_batch(adapt.config.reflex, glob,
-                                 jax.tree.map(_all_sum_array, stats.reflex))
+      if plan.reflex == "asleep":  # (host numpy: no eager op to compile in a later batch)
+        glob = glob.replace(sleep=np.maximum(np.asarray(glob.sleep) - 1, 0).astype(np.int32))
+      elif plan.reflex == "awake" and isinstance(stats, MergedReflexStats):
+        summed = jax.tree.map(lambda x: jnp.asarray(distributed.all_sum(x)), stats.reflex)
+        glob = _reflex.end_batch(adapt.config.reflex, glob, summed)
       adapt = adapt.replace(reflex=glob)
       safety = tuple(float(x) for x in np.asarray(glob.safety))
     store = state.store
     if store is not None:
-      ptoks, plens = _all_rows(batch.tokens), _all_rows(batch.lengths)
-      store = _store.store_add(store, _all_rows(batch.row_prompt_ids),
+      ptoks, plens = distributed.all_rows(batch.tokens), distributed.all_rows(batch.lengths)
+      store = _store.store_add(store, distributed.all_rows(batch.row_prompt_ids),
                                [ptoks[i, : plens[i]] for i in range(len(plens))],
-                               _all_rows(out.tokens), _all_rows(out.lengths))
+                               distributed.all_rows(out.tokens), distributed.all_rows(out.lengths))
     slow, counts = None, ()
     if adapt is not None and adapt.config.slow.mode != "off" and out.hidden is not None:
       adapt, slow, counts = self._slow_path(params, adapt, batch, out, seconds, seed)
-    rollout_stats = out.stats
-    tau = rollout_stats.tokens_per_forward
-    acc = ()
-    if sp is not None:
-      acc = tuple(float(a) for a in np.asarray(rollout_stats.head_acceptance))
-    new = state.replace(adaptation=None if adapt is None else adapt.replace(
-        batches=adapt.batches + 1), calibration=cal, expected=expected, store=store,
+    acc = () if spec is None else tuple(float(a) for a in np.asarray(spec.stats.head_acceptance))
+    new = state.replace(adaptation=None if adapt is None else _place(adapt.replace(
+        batches=adapt.batches + 1)), calibration=cal, expected=expected, store=store,
                         batches=state.batches + 1)
-    nodes = tuple(plan.spec.nodes or ()) if plan.spec is not None and plan.mode != "vanilla" \
-        else (0,) * len(self.spec.bucket_fractions)
+    nodes = (tuple(plan.spec.nodes) if plan.mode != "vanilla" and plan.spec.nodes is not None
+             else (0,) * len(self.spec.bucket_fractions))
     report = SpecRollReport(
-        batch=int(state.batches), mode=plan.mode, nodes=nodes, tau=float(tau),
+        batch=int(state.batches), mode=plan.mode, nodes=nodes,
+        tau=float(out.stats.tokens_per_forward),
         probe_tau=None if probe_tau is None else float(probe_tau), depth_acceptance=acc,
         expected=tuple(float(x) for x in np.asarray(expected)), reflex=plan.reflex,
         safety=safety, slow=slow, records=counts, rollout_seconds=float(seconds),
-        host_seconds=time.perf_counter() - t0, choice=plan.choice)
+        probe_seconds=float(probe_seconds), host_seconds=time.perf_counter() - t0,
+        compile_seconds=float(compile_seconds), choice=plan.choice)
     return out.replace(report=report), new
 
   def _slow_path(self, params, adapt, batch, out, seconds, seed):
-    """Records drawn from the rollout's anchor hidden states, then the slow path's monitor and
-    refresh (``slow_path.after_batch``)."""
+    """Records drawn from the rollout's anchor hidden states (every process's), then the slow
+    path's monitor and refresh (``slow_path.after_batch``); each head's acceptance is its
+    records' hit rate (the committed token among its top candidates), whatever the batch ran."""
     cfg = adapt.config
     key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
+    params = self.decoder_params(params)
     recs = _trainer_records.from_hidden(
         cfg.reflex, self.config, params, adapt.heads, out.hidden, out.tokens, out.lengths,
         jnp.asarray(batch.lengths), sampling=self.sampling, key=key,
         num_anchors=self.records_per_batch)
-    recs = _all_records(recs)
+    if jax.process_count() > 1:
+      recs = jax.tree.map(lambda x: jnp.asarray(
+          distributed.all_sum(x) if x.ndim == 1 else distributed.all_concat(x, 1)), recs)
     valid = np.asarray(recs.valid, np.float64)
     hit = np.asarray(recs.hit, np.float64) * valid
     acc = np.where(valid.sum(1) > 0, hit.sum(1) / np.maximum(valid.sum(1), 1), np.nan)
@@ -583,25 +642,48 @@ class SpecRoll:
   # -- goodput
 
   def measure_cost(self, params, state: SpecRollState, batch: GroupBatch) -> _goodput.CostModel:
-    """The step cost of this machine for the batch's bucket rows x ``cost_nodes`` (cached on disk
-    per machine, model, proposer and shapes: ``goodput.measure_cost``)."""
+    """The step cost of this machine for the batch's largest and smallest bucket rows x
+    ``cost_nodes`` (cached on disk per machine, model, proposer and shapes:
+    ``goodput.measure_cost``); process 0's in every process."""
     heads = None if state.adaptation is None else state.adaptation.heads
     prop = self._ranked(heads, False)
     plan = Plan("speculative", self.spec, prop, len(batch), "off")
     pp = self.proposer_params(state, batch, plan)
     kept = self.spec.bucket_shapes(len(batch), prop.capacity)
     rows = tuple(sorted({kept[0][0], kept[-1][0]}, reverse=True))
-    return _goodput.measure_cost(self.config, params, prop, pp, batch.tokens, batch.lengths,
-                                 settings=self.engine(plan, batch.rows, speculative=False).settings,
+    settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
+                              cache_length=batch.rows.cache_length,
+                              kernels=Kernels.resolve(self.kernels))
+    cost = _goodput.measure_cost(self.config, self.decoder_params(params), prop, pp, batch.tokens,
+                                 batch.lengths, settings=settings,
                                  rows=rows, node_counts=self.cost_nodes, progress=False)
+    sec = distributed.from_process0(np.asarray(cost.seconds, np.float64))
+    return dataclasses.replace(cost, seconds=tuple(map(tuple, sec.tolist())))
 
 
-def _with_table(prop, params, table):
+@dataclasses.dataclass(frozen=True)
+class Mapped:
+  """An engine whose parameters come through ``params_from`` inside its compiled program."""
+
+  engine: Any
+  params_from: Callable
+
+  def __call__(self, params, *rest):
+    return self.engine(self.params_from(params), *rest)
+
+
+def _with_table(params, table):
   """A custom ranked proposer's parameters with the calibrated table (where they hold one)."""
   if hasattr(params, "acceptance"):
     return params.replace(acceptance=jnp.asarray(table, jnp.float32).reshape(
         np.shape(params.acceptance)))
   return params
+
+
+def _head(rows: PreparedBatch, k: int) -> PreparedBatch:
+  """The first ``k`` rows of a prepared batch."""
+  return PreparedBatch(rows.tokens[:k], rows.lengths[:k], rows.sample_ids[:k], rows.eos_ids,
+                       rows.cache_length)
 
 
 def _place(params):
@@ -611,84 +693,14 @@ def _place(params):
 
   def one(x):
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
+      if not x.sharding.is_fully_replicated:
+        raise ValueError(f"a parameter of shape {x.shape} is split over several processes "
+                         f"({x.sharding}); SpecRoll decodes each process's rows on its own device "
+                         "and needs every parameter whole in every process (replicated)")
       x = x.addressable_data(0)
     return jax.device_put(x, dev)
 
   return jax.tree.map(one, params)
-
-
-def _split(rows: PreparedBatch, k: int) -> tuple[PreparedBatch, PreparedBatch | None]:
-  cut = lambda a, s: a[s]
-  head = PreparedBatch(cut(rows.tokens, slice(0, k)), cut(rows.lengths, slice(0, k)),
-                       cut(rows.sample_ids, slice(0, k)), rows.eos_ids, rows.cache_length)
-  if k >= rows.tokens.shape[0]:
-    return head, None
-  tail = PreparedBatch(cut(rows.tokens, slice(k, None)), cut(rows.lengths, slice(k, None)),
-                       cut(rows.sample_ids, slice(k, None)), rows.eos_ids, rows.cache_length)
-  return head, tail
-
-
-def _concat(spec: Rollout, rest: Rollout) -> Rollout:
-  """One rollout of the rows of ``spec`` then ``rest`` (tokens, logprobs, hidden by row; counters
-  added; the speculative statistics are ``spec``'s)."""
-  cat = lambda a, b: None if a is None else jnp.concatenate([a, b], axis=0)
-  st = spec.stats.replace(
-      target_forwards=jnp.maximum(spec.stats.target_forwards, rest.stats.target_forwards),
-      row_forwards=spec.stats.row_forwards + rest.stats.row_forwards,
-      tokens=spec.stats.tokens + rest.stats.tokens,
-      nonfinite=cat(spec.stats.nonfinite, rest.stats.nonfinite))
-  return spec.replace(tokens=cat(spec.tokens, rest.tokens), lengths=cat(spec.lengths, rest.lengths),
-                      logprobs=cat(spec.logprobs, rest.logprobs),
-                      hidden=cat(spec.hidden, rest.hidden), stats=st)
-
-
-# -- several processes: every process folds the same numbers into the same state
-
-
-def _all_sum(x: np.ndarray) -> np.ndarray:
-  if jax.process_count() == 1:
-    return x
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(np.asarray(x))).sum(0)
-
-
-def _all_sum_array(x):
-  return jnp.asarray(_all_sum(np.asarray(x)))
-
-
-def _all_rows(x) -> np.ndarray:
-  x = np.asarray(x)
-  if jax.process_count() == 1:
-    return x
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def _all_max(x: float) -> float:
-  """The largest of every process's ``x`` (seconds: the batch took as long as its slowest
-  process)."""
-  if jax.process_count() == 1:
-    return float(x)
-  from jax.experimental import multihost_utils
-  return float(np.asarray(multihost_utils.process_allgather(np.float64(x))).max())
-
-
-def _all_records(recs):
-  """Every process's records of the batch (a process draws from its own rows), concatenated on
-  the records axis, so every process's slow path sees the same records."""
-  if jax.process_count() == 1:
-    return recs
-  from jax.experimental import multihost_utils
-
-  def gather(x):
-    if x is None:
-      return None
-    g = np.asarray(multihost_utils.process_allgather(np.asarray(x)))  # [N, K, n, ...] or [N, K]
-    if g.ndim == 2:  # the counts [N, K]: summed
-      return jnp.asarray(g.sum(0))
-    return jnp.asarray(np.concatenate(list(g), axis=1))
-
-  return jax.tree.map(gather, recs)
 
 
 __all__ = ["BUDGETS", "DEFAULT_REFLEX", "GroupBatch", "Plan", "SlowReport", "SpecRoll",

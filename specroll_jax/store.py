@@ -154,14 +154,16 @@ class ResponseStore:
 class StoreState:
   """Earlier responses per prompt in fixed-capacity arrays (a pytree; host functions below).
 
-  prompt_ids [S] (-1: empty slot), fingerprints [S] (31-bit fingerprint of the prompt's tokens),
-  count [S] responses held, tokens [S, K, W] (-1 padded, oldest first), stamp [S] the last
-  ``clock`` at which the slot was written (the least recent slot is reused first), clock [].
+  prompt_ids [S] (-1: empty slot), fingerprints [S, 2] (``fingerprint`` of the prompt's tokens as
+  int32 halves: a checkpoint or a device keeps int32),
+  count [S] responses held, tokens [S, K, W] (-1 padded, oldest first), stamp [S] the slot's
+  place in recency order (the least recently added prompt is dropped first), clock [] prompts
+  held. The host functions go through ``ResponseStore``, so both behave alike.
   vocab_size (static): ids must lie below it; a store for another vocabulary is refused.
   """
 
   prompt_ids: Int[Array, " S"]
-  fingerprints: Int[Array, " S"]
+  fingerprints: Int[Array, "S 2"]  # the 63-bit fingerprint as int32 (high, low) halves
   count: Int[Array, " S"]
   tokens: Int[Array, "S K W"]
   stamp: Int[Array, " S"]
@@ -187,88 +189,55 @@ def store_init(*, vocab_size: int, prompts: int, per_prompt: int, max_tokens: in
   ResponseStore(vocab_size=vocab_size, per_prompt=per_prompt, max_tokens=max_tokens,
                 max_prompts=prompts)  # the same checks
   i32 = lambda *shape, v=0: np.full(shape, v, np.int32)
-  return StoreState(prompt_ids=i32(prompts, v=-1), fingerprints=i32(prompts), count=i32(prompts),
+  return StoreState(prompt_ids=i32(prompts, v=-1), fingerprints=i32(prompts, 2),
+                    count=i32(prompts),
                     tokens=i32(prompts, per_prompt, max_tokens, v=-1), stamp=i32(prompts),
                     clock=np.int32(0), vocab_size=int(vocab_size))
 
 
-def _fp31(tokens) -> int:
-  return fingerprint(tokens) & 0x7FFFFFFF
-
-
-def _slots(st: StoreState) -> dict[int, int]:
+def _to_store(st: StoreState) -> ResponseStore:
+  """The ``ResponseStore`` holding ``st``'s prompts in the same recency order."""
   ids = np.asarray(st.prompt_ids)
-  return {int(p): i for i, p in enumerate(ids.tolist()) if p >= 0}
+  occupied = np.flatnonzero(ids >= 0)
+  order = occupied[np.argsort(np.asarray(st.stamp)[occupied], kind="stable")]
+  cfg = np.asarray([st.vocab_size, st.per_prompt, st.max_tokens, st.capacity], np.int64)
+  halves = np.asarray(st.fingerprints)[order].astype(np.int64)
+  fps = (halves[:, 0] << 32) | (halves[:, 1] & 0xFFFFFFFF)
+  return ResponseStore.from_state_dict({
+      "ids": ids[order].astype(np.int64), "fingerprints": fps,
+      "counts": np.asarray(st.count)[order], "tokens": np.asarray(st.tokens)[order],
+      "config": cfg})
+
+
+def _from_store(ref: ResponseStore, st: StoreState) -> StoreState:
+  d = ref.state_dict()
+  n, cap = len(d["ids"]), st.capacity
+  out = store_init(vocab_size=st.vocab_size, prompts=cap, per_prompt=st.per_prompt,
+                   max_tokens=st.max_tokens)
+  ids, fps, cnt, toks, stamp = (np.array(x) for x in (out.prompt_ids, out.fingerprints,
+                                                        out.count, out.tokens, out.stamp))
+  f = np.asarray(d["fingerprints"], np.int64)
+  fps[:n, 0], fps[:n, 1] = f >> 32, (f & 0xFFFFFFFF).astype(np.uint32).view(np.int32)
+  ids[:n], cnt[:n], toks[:n] = d["ids"], d["counts"], d["tokens"]
+  stamp[:n] = np.arange(1, n + 1)
+  return st.replace(prompt_ids=ids, fingerprints=fps, count=cnt, tokens=toks, stamp=stamp,
+                    clock=np.int32(n))
 
 
 def store_add(st: StoreState, prompt_ids, prompts, tokens, lengths) -> StoreState:
   """``st`` with row b's response ``tokens[b, :lengths[b]]`` (prompt ``prompt_ids[b]``, token ids
-  ``prompts[b]``) appended to its prompt's responses (the oldest dropped past ``per_prompt``); a
-  new prompt takes the least recently written slot."""
-  pids = np.asarray(prompt_ids)
-  tokens, lengths = np.asarray(tokens), np.asarray(lengths)
-  b = len(pids)
-  if len(prompts) != b or tokens.shape[0] != b or lengths.shape != (b,):
-    raise ValueError(f"store_add: prompt_ids ({b}), prompts ({len(prompts)}), tokens "
-                     f"{tokens.shape} and lengths {lengths.shape} must agree on the batch size")
-  if tokens.size and (tokens.min() < 0 or tokens.max() >= st.vocab_size):
-    raise ValueError(f"store_add: tokens outside [0, vocab_size={st.vocab_size}): range "
-                     f"[{tokens.min()}, {tokens.max()}]")
-  ids, fps, cnt, toks, stamp = (np.array(x) for x in (st.prompt_ids, st.fingerprints, st.count,
-                                                        st.tokens, st.stamp))
-  clock = int(st.clock)
-  slots = _slots(st)
-  k, w = st.per_prompt, st.max_tokens
-  for i in range(b):
-    pid, fp = int(pids[i]), _fp31(prompts[i])
-    slot = slots.get(pid)
-    if slot is not None and fps[slot] != fp:
-      raise ValueError(f"store_add: prompt id {pid} is stored with other prompt tokens (a store "
-                       "for another prompt set or tokenizer)")
-    if slot is None:
-      slot = int(np.argmin(np.where(ids < 0, -1, stamp)))
-      slots.pop(int(ids[slot]), None)
-      ids[slot], fps[slot], cnt[slot] = pid, fp, 0
-      toks[slot] = -1
-      slots[pid] = slot
-    n = min(int(lengths[i]), w)
-    row = np.full((w,), -1, np.int32)
-    row[:n] = tokens[i, :n]
-    if cnt[slot] == k:
-      toks[slot, :-1] = toks[slot, 1:].copy()
-      toks[slot, -1] = row
-    else:
-      toks[slot, cnt[slot]] = row
-      cnt[slot] += 1
-    clock += 1
-    stamp[slot] = clock
-  return st.replace(prompt_ids=ids, fingerprints=fps, count=cnt, tokens=toks, stamp=stamp,
-                    clock=np.int32(clock))
+  ``prompts[b]``) added as ``ResponseStore.add`` adds it (its checks; the oldest response of a
+  prompt dropped past ``per_prompt``, the least recently added prompt past capacity)."""
+  ref = _to_store(st)
+  ref.add(prompt_ids, prompts, tokens, lengths)
+  return _from_store(ref, st)
 
 
 def store_context(st: StoreState, prompt_ids, prompts, *, vocab_size: int) -> np.ndarray:
   """[B, K, W] int32: row b's stored responses (newest first), -1 padded, for
-  ``GroupLookup.context(prior=...)``. ``vocab_size`` must be the store's; a prompt id stored with
-  other prompt tokens is refused."""
-  if int(vocab_size) != st.vocab_size:
-    raise ValueError(f"the response store holds ids of a {st.vocab_size}-token vocabulary; the "
-                     f"model has vocab_size={vocab_size}")
-  pids = np.asarray(prompt_ids)
-  if len(prompts) != len(pids):
-    raise ValueError(f"store_context: {len(pids)} prompt ids but {len(prompts)} prompts")
-  slots = _slots(st)
-  fps, cnt, toks = np.asarray(st.fingerprints), np.asarray(st.count), np.asarray(st.tokens)
-  out = np.full((len(pids), st.per_prompt, st.max_tokens), -1, np.int32)
-  for i, pid in enumerate(pids.tolist()):
-    slot = slots.get(int(pid))
-    if slot is None:
-      continue
-    if fps[slot] != _fp31(prompts[i]):
-      raise ValueError(f"store_context: prompt id {pid} is stored with other prompt tokens (a "
-                       "store for another prompt set or tokenizer)")
-    c = int(cnt[slot])
-    out[i, :c] = toks[slot, :c][::-1]
-  return out
+  ``GroupLookup.context(prior=...)`` (``ResponseStore.context``: ``vocab_size`` must be the
+  store's; a prompt id stored with other prompt tokens is refused)."""
+  return _to_store(st).context(prompt_ids, prompts, vocab_size=vocab_size)
 
 
 __all__ = ["ResponseStore", "StoreState", "fingerprint", "store_add", "store_context",

@@ -41,10 +41,12 @@ CASES = [
     ("gsm8k.py", ["--model", "/no/such/folder"], "--model"),
     ("gsm8k.py", ["--rollout", "fast"], "--rollout"),
     ("gsm8k.py", ["--reflex-sleep", "-1"], "--reflex-sleep"),
-    ("gsm8k.py", ["--reflex-sleep", "2"], "--reflex-sleep"),  # rollout records: cannot sleep
+    ("gsm8k.py", ["--reflex", "maybe"], "--reflex"),
     ("gsm8k.py", ["--reflex-sleep-max", "-1"], "--reflex-sleep-max"),
     ("bench_adaptation.py", ["--trainer-sleep-max", "-1"], "--trainer-sleep-max"),
-    ("gsm8k.py", ["--trainer-anchors", "0"], "--trainer-anchors"),
+    ("gsm8k.py", ["--records-per-batch", "0"], "--records-per-batch"),
+    ("gsm8k.py", ["--trainer-anchors", "0"], "--records-per-batch"),  # its deprecated name
+    ("gsm8k.py", ["--slow-bootstrap", "-1"], "--slow-bootstrap"),
     ("gsm8k.py", ["--slow-step-chunks", "-1"], "--slow-step-chunks"),
     ("bench_adaptation.py", ["--slow-step-chunks", "-2"], "--slow-step-chunks"),
     ("bench_adaptation.py", ["--slow-chunk-size", "0"], "--slow-chunk-size"),
@@ -60,8 +62,6 @@ CASES = [
      "--num-processes"),
     ("gsm8k.py", ["--coordinator", "h:1234", "--num-processes", "2", "--process-id", "2"],
      "--process-id"),
-    ("gsm8k.py", ["--coordinator", "h:1234", "--num-processes", "2", "--process-id", "1"],
-     "--rollout"),  # several processes: vanilla or static-heads rollouts
 ]
 
 

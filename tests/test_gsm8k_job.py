@@ -51,13 +51,12 @@ def _env(cache=None):
 
 
 def test_one_step_end_to_end(job_model, tmp_path):
-  """Two steps with the slow path on the train step's own forward (--slow-records trainer: no
-  record from the decode loop), refreshing the heads every batch; the run still gives exactly the
-  vanilla run's rewards and parameters. (The default, rollout records: the SIGKILL test.)"""
+  """Two steps through ``SpecRoll`` with its defaults (goodput budgets: on this CPU the first
+  batch probes the trees, the slow path's bootstrap refreshes every head from the rollout's own
+  records); the run still gives exactly the vanilla run's rewards and parameters."""
   out = tmp_path / "run"
   proc = subprocess.run(_cmd(job_model, out, "--steps", "2", "--eval-prompts", "4",
-                             "--max-new-tokens", "16", "--slow-records", "trainer",
-                             "--slow-path", "every_batch"),
+                             "--max-new-tokens", "16"),
                         capture_output=True, text=True, env=_env(tmp_path / "cache"), timeout=900)
   assert proc.returncode == 0, proc.stderr[-3000:]
   summary = json.loads((out / "summary.json").read_text())
@@ -69,21 +68,19 @@ def test_one_step_end_to_end(job_model, tmp_path):
     assert len(recs) == 2 and all(r["logp_gap_max"] < 1e-4 for r in recs)
     assert (out / kind / "traces" / "zarr.json").exists()
     if kind == "specroll":
-      assert [r["slow"]["decision"] for r in recs] == ["every_batch"] * 2
-      assert all(r["slow"]["heads"] == [0, 1, 2] for r in recs)  # on the trainer's records
+      assert [r["slow"]["decision"] for r in recs] == ["bootstrap"] * 2
+      assert all(r["slow"]["heads"] == [0, 1, 2] for r in recs)  # on the rollout's records
       assert all(r["adaptation_seconds"] > 0 for r in recs)
-      for r in recs:  # where the adaptation's host seconds went: the parts add up to them
-        split = r["adaptation_split_seconds"]
-        assert set(split) == {"after_rollout", "records", "monitor", "refresh"}
-        assert split["records"] > 0 and split["refresh"] > 0 and min(split.values()) >= 0
-        assert sum(split.values()) == pytest.approx(r["adaptation_seconds"], rel=1e-6, abs=1e-9)
+      # the first batch verifies trees (a probe where goodput verifies none): their tau shows
+      assert recs[0]["mode"] in ("probe", "speculative") and recs[0]["probe_tau"] >= 1.0
+      assert recs[1]["compile_seconds"] == 0.0  # the first batch compiled every program
     held = summary["table"][kind]["held_out"]
     assert 0 <= held["before"] <= 1 and 0 <= held["after"] <= 1
   assert (out / "gsm8k.png").stat().st_size > 10_000
   assert "step 2/2" in proc.stdout  # one plain line per step in a log
   assert proc.stdout.startswith("task: gsm8k")  # with --model, GSM8K is the default task
-  assert "goodput cost model" in proc.stdout  # measured once (cached in the test's tmp)
-  assert len(list((tmp_path / "cache" / "cost").glob("cost-*.json"))) == 1
+  assert "SpecRoll: CondHeads heads + group lookup (G = 4" in proc.stdout  # what is on
+  assert len(list((tmp_path / "cache" / "cost").glob("cost-*.json"))) == 1  # measured once
 
 
 def _records(path):

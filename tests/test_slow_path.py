@@ -675,16 +675,18 @@ def test_small_model_preset_is_the_replay_tuned_settings():
 
 
 def test_main_job_slow_path_settings(tmp_path):
-  """The main job's slow path: the small-model preset on the embedded model, the library's
-  defaults with --model (a real model's heads)."""
+  """The main job's slow path: ``SlowPathConfig.for_model``'s small-model preset on the embedded
+  model (a bootstrap fit first), the library's defaults with --model (a real model's heads);
+  the records drawn per batch from the rollout reach ``SpecRoll``."""
   from conftest import load_script
   mod = load_script("gsm8k.py")
-  cfg = mod.run_config(mod.parse(["--slow-records", "trainer", "--trainer-anchors", "64"]),
-                       rollout_kind="specroll")
-  assert cfg.adaptation.slow == sp.SlowPathConfig.for_small_models()
-  assert cfg.adaptation.records == "trainer" and cfg.adaptation.trainer_anchors == 64
+  cfg = mod.run_config(mod.parse(["--records-per-batch", "64"]), rollout_kind="specroll")
+  assert cfg.slow == sp.SlowPathConfig.for_small_models(bootstrap_batches=10, bootstrap_steps=20)
+  assert cfg.records_per_batch == 64
+  cfg = mod.run_config(mod.parse(["--trainer-anchors", "32"]), rollout_kind="specroll")
+  assert cfg.records_per_batch == 32  # the deprecated name of the flag
   cfg = mod.run_config(mod.parse(["--model", str(tmp_path)]), rollout_kind="specroll")
-  assert cfg.adaptation.slow == sp.SlowPathConfig()
-  cfg = mod.run_config(mod.parse(["--model", str(tmp_path), "--slow-refresh-vocab", "support"]),
-                       rollout_kind="specroll")
-  assert cfg.adaptation.slow == sp.SlowPathConfig(refresh_vocab="support")
+  assert cfg.slow == sp.SlowPathConfig(bootstrap_batches=10, bootstrap_steps=20)
+  cfg = mod.run_config(mod.parse(["--model", str(tmp_path), "--slow-refresh-vocab", "support",
+                                  "--slow-bootstrap", "0"]), rollout_kind="specroll")
+  assert cfg.slow == sp.SlowPathConfig(refresh_vocab="support", bootstrap_steps=20)

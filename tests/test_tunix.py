@@ -23,11 +23,12 @@ from tunix.rl import rl_cluster as rlc  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
-from specroll_jax import adaptation, heads  # noqa: E402
+from specroll_jax import heads  # noqa: E402
 from specroll_jax.grpo import trainer_logprobs  # noqa: E402
 from specroll_jax.integrations import tunix as sr  # noqa: E402
 from specroll_jax.models import decoder  # noqa: E402
 from specroll_jax.proposers import PromptLookup  # noqa: E402
+from specroll_jax.rollout import SpecConfig  # noqa: E402
 from specroll_jax.sampling import SamplingConfig  # noqa: E402
 
 V = 64
@@ -38,6 +39,9 @@ RC = base_rollout.RolloutConfig(max_tokens_to_generate=12, max_prompt_length=16,
                                 top_p=0.95, top_k=20, seed=3)
 PROMPTS = ["hello world", "hello world", "abc", "abc"]  # tunix's layout: G = 2 copies, prompt-major
 PROMPTS_2 = ["good day", "good day", "xyz q", "xyz q"]
+# SpecRoll's settings in these tests: the fixed budget, one bucket (trees verified on this CPU,
+# where goodput would verify none; one program each)
+FIXED = {"budget": "fixed", "spec": SpecConfig(bucket_fractions=(1.0,), node_budget=16)}
 
 
 class CharTokenizer:
@@ -161,21 +165,26 @@ def test_sampling_settings_read_as_tunix_reads_them():
 
 
 def test_speculative_returns_vanilla_tokens(model, vanilla):
+  """Through the SpecRoll object: your proposer, and heads with the object's tree, slow path and
+  store (the state carried over calls); the vanilla engine's tokens either way."""
   _, ref = vanilla
-  lookup = _backend(model, proposer=PromptLookup(), proposer_params=(), num_generations=2)
-  sampling = sr.sampling_from_rollout_config(RC)
-  state = adaptation.init(adaptation.AdaptationConfig().for_sampling(sampling),
-                          heads.init(jax.random.key(4), lookup.config, 3, scale=0.05))
-  reflex = _backend(model, adaptation=state, num_generations=2)
-  for b in (lookup, reflex):
+  lookup = _backend(model, proposer=PromptLookup(), proposer_params=(), num_generations=2,
+                    specroll=FIXED)
+  hd = heads.init(jax.random.key(4), lookup.config, 3, scale=0.05)
+  with_heads = _backend(model, heads=hd, num_generations=2, specroll=FIXED)
+  for b in (lookup, with_heads):
     outs = [b.generate(PROMPTS, RC), b.generate(PROMPTS_2, RC)]
     assert int(b.last_rollout.stats.nodes_verified) > 0  # trees were verified: not vanilla
+    assert b.report.mode == "speculative" and int(b.state.batches) == 2  # carried over calls
     for got, want in zip(outs, ref, strict=True):
       assert _same(got.tokens, want.tokens)
       for a, c in zip(got.logprobs, want.logprobs, strict=True):
         np.testing.assert_allclose(a, c, atol=ATOL, rtol=0)
-  assert int(reflex.adaptation.batches) == 2  # the Reflex/slow-path state was carried over calls
-  assert "reflex" in reflex.adaptation_report
+  assert with_heads.report.slow is not None and np.asarray(with_heads.state.store.count).sum()
+  with pytest.warns(DeprecationWarning, match="adaptation"):
+    from specroll_jax import adaptation
+    state = adaptation.init(adaptation.AdaptationConfig(), hd)
+    _backend(model, adaptation=state, num_generations=2, specroll=FIXED)
 
 
 # --- sample ids, seeds and outputs --------------------------------------------------------------
@@ -210,11 +219,12 @@ def test_output_follows_tunix_conventions(model, vanilla):
   for i, p in enumerate(PROMPTS):
     ids = [BOS] + tok.encode(p)
     assert left[i, -len(ids):].tolist() == ids and (left[i, : -len(ids)] == PAD).all()
-  ended = [t for t in out.tokens if len(t) < RC.max_tokens_to_generate]
-  assert all(t[-1] == EOS and (t[:-1] != EOS).all() for t in ended)  # the EOS is kept
+  assert all((t != EOS).all() for t in out.tokens)  # a sampled EOS is cut, as tunix's engine does
   assert out.text == [tok.decode(t.tolist()) for t in out.tokens]
-  cut = _backend(model, keep_eos=False).generate(PROMPTS, RC)
-  assert _same(cut.tokens, [t[:-1] if t[-1] == EOS else t for t in out.tokens])
+  kept = _backend(model, keep_eos=True).generate(PROMPTS, RC)  # as tunix's vLLM engine does
+  ended = [t for t in kept.tokens if len(t) < RC.max_tokens_to_generate]
+  assert ended and all(t[-1] == EOS and (t[:-1] != EOS).all() for t in ended)
+  assert _same(out.tokens, [t[:-1] if t[-1] == EOS else t for t in kept.tokens])
 
 
 # --- (4) rollout logprobs == trainer logprobs == get_per_token_logps -----------------------------
@@ -293,7 +303,7 @@ def test_grpo_learner_trains_with_our_rollout():
   config = rlc.ClusterConfig(
       role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
       rollout_engine=functools.partial(_Recording, proposer=PromptLookup(), proposer_params=(),
-                                       num_generations=2),
+                                       num_generations=2, specroll=FIXED),
       offload_to_cpu=False,
       training_config=rlc.RLTrainingConfig(actor_optimizer=optax.sgd(1.0), eval_every_n_steps=100,
                                            max_steps=2),

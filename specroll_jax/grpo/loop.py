@@ -27,8 +27,6 @@ from specroll_jax import adaptation as _adapt
 from specroll_jax import buckets as _buckets
 from specroll_jax import rewards as _rewards
 from specroll_jax import rollout as _rollout
-from specroll_jax import trainer_records as _trainer_records
-from specroll_jax.adaptation import AdaptationConfig
 from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k
@@ -36,7 +34,10 @@ from specroll_jax.data.tasks import Task
 from specroll_jax.grpo.config import GRPOConfig
 from specroll_jax.grpo.loss import group_advantages
 from specroll_jax.grpo.step import AXIS, Batch, init_train_state, make_train_step
+from specroll_jax.reflex import ReflexConfig
 from specroll_jax.sampling import group_sample_ids
+from specroll_jax.slow_path import SlowPathConfig
+from specroll_jax.specroll import DEFAULT_REFLEX, SpecRoll
 from specroll_jax.traces import TraceWriter
 
 ROLLOUTS = ("vanilla", "specroll", "static-heads")
@@ -48,8 +49,12 @@ class RunConfig:
 
   task: the problems (``data.tasks.Task``; GSM8K by default), scored by the GSM8K reward.
   prompts_per_step: P prompts per step, each sampled G = grpo.group_size times.
-  rollout: "specroll" (heads + Reflex + slow path, ``adaptation``), "static-heads" (heads fitted
-    once) or "vanilla" (no speculation). All three give the same tokens.
+  rollout: "specroll" (the ``SpecRoll`` object: heads + group lookup + Reflex + slow path + goodput
+    budgets), "static-heads" (the heads alone, fitted once) or "vanilla" (no speculation). All
+    three give the same tokens.
+  spec: the speculative buckets and fixed node budget (None: ``SpecConfig.auto()``).
+  reflex, slow, records_per_batch: ``SpecRoll``'s Reflex (None: no corrections) and slow path
+    (None: ``SlowPathConfig.for_model``), and the records it draws per batch.
   prompt_width: prompts are padded to this many tokens (fixed shapes: one compile); None: the
     longest train prompt of the task under the tokenizer, rounded up to 16. Longer prompts are
     refused.
@@ -59,9 +64,9 @@ class RunConfig:
     answer plus this).
   keep_checkpoints: complete checkpoints kept on disk.
   goodput: "specroll" rollouts take their node counts per bucket from ``goodput.choose``: a cost
-    model of this machine measured once (``goodput.measure_cost`` over ``goodput_nodes``, cached)
-    and the acceptance the adaptation state has measured so far; ``spec`` serves until the first
-    measurement (a step that proposed). Where no tree pays, a bucket runs the plain step.
+    model of this machine measured once (``goodput.measure_cost`` over ``cost_nodes``, cached)
+    and the acceptance measured so far; where no tree pays a batch runs the vanilla engine and
+    every ``SpecRoll.probe_every``-th batch probes (``SpecRoll``). False: ``spec``'s budget.
   vanilla_buckets: the vanilla engine's row buckets (``rollout.generate``'s ``bucket_fractions``;
     None: the engine's default). Each bucket is one more decode loop to compile; ``(1.0,)`` is one
     loop, for short runs where compile time dominates. The tokens are the same for any buckets.
@@ -75,25 +80,29 @@ class RunConfig:
   seed: int = 0
   data_seed: int = 0
   rollout: str = "specroll"
-  spec: SpecConfig = SpecConfig()
-  adaptation: AdaptationConfig = AdaptationConfig()
+  spec: SpecConfig | None = None
+  reflex: ReflexConfig | None = DEFAULT_REFLEX
+  slow: SlowPathConfig | None = None
+  records_per_batch: int = 512
   kernels: str = "auto"
   prompt_width: int | None = None
   format_weight: float = 0.1
   eval_every: int = 0
   eval_prompts: int = 64
   keep_checkpoints: int = 2
-  goodput: bool = False
-  goodput_nodes: tuple[int, ...] = (0, 1, 2, 4)
+  goodput: bool = True
+  cost_nodes: tuple[int, ...] = (0, 4)
   vanilla_buckets: tuple[float, ...] | None = None
 
   def __post_init__(self):
     if self.vanilla_buckets is not None:
       object.__setattr__(self, "vanilla_buckets", _buckets.check_fractions(
           self.vanilla_buckets, "RunConfig.vanilla_buckets"))
+    if self.spec is None:
+      object.__setattr__(self, "spec", SpecConfig.auto())
     for name, lo in (("prompts_per_step", 1), ("max_new_tokens", 1), ("steps", 1),
                      ("eval_every", 0), ("eval_prompts", 1), ("keep_checkpoints", 1),
-                     ("seed", 0), ("data_seed", 0)):
+                     ("seed", 0), ("data_seed", 0), ("records_per_batch", 1)):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"RunConfig.{name} must be an int >= {lo}, got {v!r}")
@@ -159,10 +168,7 @@ class Run:
     if self.cache_length > config.max_position_embeddings:
       raise ValueError(f"prompt width {self.data.width} + max_new_tokens {run.max_new_tokens} "
                        f"exceeds max_position_embeddings {config.max_position_embeddings}")
-    # SpecRoll with the slow path's records from the trainer's own forward (records="trainer"):
-    # the step hands out its forward's anchor hidden states
-    self.trainer_records = run.rollout == "specroll" and run.adaptation.records == "trainer"
-    self.train_step = make_train_step(config, run.grpo, return_hidden=self.trainer_records)
+    self.train_step = make_train_step(config, run.grpo)
     # several processes (``distributed.initialize``): every process holds the same global batch
     # on the host, decodes and scores only the rows its devices hold under P("data") (the sample
     # ids make them the rows one process would sample), and feeds them to the data-parallel step
@@ -171,10 +177,6 @@ class Run:
     self.num_processes = jax.process_count()
     self.rows_sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
     self.rows_local = self._local_rows()
-    if self.num_processes > 1 and run.rollout == "specroll":
-      raise ValueError(f"RunConfig.rollout={run.rollout!r} with {self.num_processes} processes: "
-                       "SpecRoll's adaptation state is per process and is not checkpointed "
-                       "across processes yet; use 'vanilla' or 'static-heads' (the same tokens)")
     # replicated over the mesh from the start, as every step returns it: the rollout's jit then
     # sees the same parameter sharding at every step (one compile)
     self.replicated = NamedSharding(self.train_step.mesh, PartitionSpec())
@@ -184,17 +186,13 @@ class Run:
     # (RankedHeads for root-conditioned heads); host-local like the rows each process decodes
     self.static = None
     if run.rollout == "static-heads":
-      self.static = _adapt.heads_proposer(run.adaptation, heads)
-    self.adapt = None
-    if run.rollout == "specroll":  # placed like the parameters, for the same reason
-      self.adapt = jax.device_put(_adapt.init(run.adaptation.for_sampling(self.sampling), heads),
-                                  self.replicated)
-    # speculative programs compiled so far: (settings, Reflex asleep); the warm-up compiles the
-    # first one (a sleeping Reflex proposes with the plain heads: another program)
-    self._compiled = {(run.spec, self._asleep())}
-    self.cost = None
-    if run.goodput and run.rollout == "specroll":
-      self.cost = self._measure_cost(params)
+      self.static = _adapt.heads_proposer(_adapt.AdaptationConfig(), heads)
+    # "specroll": the one object (``specroll.SpecRoll``) with the run's settings; its state is the
+    # same in every process (its statistics are all-reduced) and is checkpointed with the run
+    self.sr = self.sr_state = None
+    if run.rollout == "specroll":
+      self.sr = specroll_for(run, config, self.data.width)
+      self.sr_state = self.sr.init(heads)
     self.ckpt = Checkpointer(self.out / "checkpoints", max_to_keep=run.keep_checkpoints,
                              async_save=False)
     self.writer = jax.process_index() == 0  # metrics.jsonl and traces: process 0
@@ -213,7 +211,7 @@ class Run:
     if latest is not None:
       saved, meta = self.ckpt.restore(like=self._saved())
       self.state = jax.device_put(saved["train"], self.replicated)
-      self.adapt = jax.device_put(saved["adaptation"], self.replicated)
+      self.sr_state = saved["specroll"]
       self.next_step = int(meta["step"]) + 1
       if self.writer:
         self.traces.truncate(int(meta["trace_steps"]))
@@ -264,57 +262,27 @@ class Run:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   def _saved(self):
-    return {"train": self.state, "adaptation": self.adapt}
+    return {"train": self.state, "specroll": self.sr_state}
 
-  def _settings(self):
-    from specroll_jax.config import DecodeSettings
-    from specroll_jax.kernels import Kernels
-    return DecodeSettings(sampling=self.sampling, max_new_tokens=self.run.max_new_tokens,
-                          cache_length=self.cache_length, kernels=Kernels.resolve(self.run.kernels))
-
-  def _measure_cost(self, params):
-    from specroll_jax import goodput
-    toks, lens, _, _ = self.batch(0)
-    prop, pp = _adapt.proposer(self.adapt)
-    rows = tuple(r for r, _ in self.run.spec.bucket_shapes(self.run.rows, prop.capacity))
-    t0 = time.perf_counter()
-    cost = goodput.measure_cost(self.config, params, prop, pp, toks, lens,
-                                settings=self._settings(), rows=rows,
-                                node_counts=self.run.goodput_nodes, progress=False)
-    self.log(f"goodput cost model ({cost.machine}; {time.perf_counter() - t0:.1f} s, cached): "
-             + "; ".join(f"{r} rows: " + " / ".join(f"{1e3 * s:.1f}" for s in row) + " ms"
-                         for r, row in zip(cost.rows, cost.seconds, strict=True))
-             + f" for {list(cost.node_counts)} nodes")
-    return cost
-
-  def spec(self) -> SpecConfig:
-    """The speculative settings of the next rollout (goodput's choice once acceptance has been
-    measured, else ``RunConfig.spec``)."""
-    if self.cost is None or self.adapt is None:
-      return self.run.spec
-    expected = np.asarray(self.adapt.expected, np.float64)
-    if expected.size == 0 or not expected[1:].any():
-      return self.run.spec
-    from specroll_jax import goodput
-    prop, _ = _adapt.proposer(self.adapt)
-    spec, _ = goodput.choose(self.cost, expected, self.run.rows, self.run.spec,
-                             capacity=prop.capacity)
-    return spec
-
-  def rollout(self, params, toks, lens, sids, adapt=None, spec=None):
+  def rollout(self, params, toks, lens, sids, state=None):
+    """This step's rollout of the rows ``toks`` (G rows per prompt, prompt-major): through the
+    ``SpecRoll`` object (with its ``state``; returns (rollout, state)), or the static heads or
+    the vanilla engine (returns (rollout, None))."""
+    if self.run.rollout == "specroll":
+      g = self.run.grpo.group_size
+      prompts = [toks[i, : lens[i]] for i in range(0, len(toks), g)]
+      batch = self.sr.batch(prompts, sids[::g] // g)
+      return self.sr.generate(params, batch, state, seed=self.run.seed)
     kw = dict(sampling=self.sampling, max_new_tokens=self.run.max_new_tokens, seed=self.run.seed,
               sample_ids=sids, eos_ids=self.tok.eos_ids, prompt_lengths=lens,
               cache_length=self.cache_length, kernels=self.run.kernels)
-    if self.run.rollout == "specroll":
-      return _rollout.generate(self.config, params, toks, spec=spec or self.spec(),
-                               adaptation=adapt, **kw)
     if self.run.rollout == "static-heads":
       prop, pp = self.static
       return _rollout.generate(self.config, params, toks, spec=self.run.spec, proposer=prop,
-                               proposer_params=pp, **kw)
+                               proposer_params=pp, **kw), None
     if self.run.vanilla_buckets is not None:
       kw["bucket_fractions"] = self.run.vanilla_buckets
-    return _rollout.generate(self.config, params, toks, **kw)
+    return _rollout.generate(self.config, params, toks, **kw), None
 
   def batch(self, step: int):
     run = self.run
@@ -324,9 +292,6 @@ class Run:
     sids = group_sample_ids(np.asarray(idx, np.int64), g)
     return rep(toks), rep(lens), [x for x in golds for _ in range(g)], sids
 
-  def _asleep(self) -> bool:
-    return self.adapt is not None and _adapt.asleep(self.adapt)
-
   def warmup(self) -> dict:
     """Compile the rollout and the train step on step ``next_step``'s batch without changing any
     state (copies are used and discarded). Returns the seconds of each warm-up call."""
@@ -334,7 +299,7 @@ class Run:
     sl = self.rows_local
     toks, lens, sids = toks[sl], lens[sl], sids[sl]
     t0 = time.perf_counter()
-    out = self.rollout(self.local_params(), toks, lens, sids, self.adapt)
+    out, _ = self.rollout(self.local_params(), toks, lens, sids, self.sr_state)
     jax.block_until_ready(out.tokens)
     t_roll = time.perf_counter() - t0
     rewards = np.zeros((len(toks),), np.float32)
@@ -344,21 +309,7 @@ class Run:
     res = self.train_step(copy, self._global_batch(b))
     jax.block_until_ready(res[1].loss)
     t_train = time.perf_counter() - t0
-    if self.trainer_records:  # compile the records, the monitor and (if it fires) the refresh
-      # on copies, as the rollout's own after_rollout above does (results dropped)
-      recs = self._records(self.local_params(), b, res[2], out.adaptation, self.next_step)
-      _adapt.after_trainer(out.adaptation, self.config, self.local_params(), recs,
-                           out.adaptation_report)
     return {"rollout_warmup_seconds": t_roll, "train_warmup_seconds": t_train}
-
-  def _records(self, params, b: Batch, hidden, adapt, step: int):
-    """The slow path's records of batch ``b`` from the train step's anchor hidden states."""
-    cfg = adapt.config
-    return _trainer_records.from_hidden(
-        cfg.reflex, self.config, params, adapt.heads, hidden, b.tokens, b.lengths,
-        b.prompt_lengths, sampling=self.sampling,
-        key=jax.random.fold_in(jax.random.key(self.run.seed), step),
-        num_anchors=cfg.trainer_anchors)
 
   def step(self) -> dict:
     """One GRPO step; returns its metrics (also appended to metrics.jsonl)."""
@@ -368,43 +319,25 @@ class Run:
     sl = self.rows_local  # every row with one process
     toks, lens, golds, sids = toks[sl], lens[sl], golds[sl], sids[sl]
     params = self.local_params()
-    spec = self.spec()
-    program = (spec, self._asleep())
-    if run.rollout == "specroll" and program not in self._compiled:  # a new node choice or a
-      jax.block_until_ready(self.rollout(params, toks, lens, sids, self.adapt,  # sleeping Reflex
-                                         spec).tokens)  # compiles once, untimed (output dropped)
-      self._compiled.add(program)
     t_start = time.perf_counter()
-    out = self.rollout(params, toks, lens, sids, self.adapt, spec)
+    out, sr_state = self.rollout(params, toks, lens, sids, self.sr_state)
     jax.block_until_ready(out.tokens)
     t_roll = time.perf_counter() - t_start
-    report = out.adaptation_report or {}
-    adapt_s = float(report.get("adaptation_seconds", 0.0))
-    trainer_s = 0.0  # records from the train step's forward + the slow path (records="trainer")
-    records_s = 0.0  # of which the records
-    if out.adaptation is not None:
-      self.adapt = jax.device_put(out.adaptation, self.replicated)
+    report = out.report
+    adapt_s = 0.0 if report is None else report.host_seconds
+    if sr_state is not None:
+      self.sr_state = sr_state
     t0 = time.perf_counter()
     out_toks, out_lens = np.asarray(out.tokens), np.asarray(out.lengths)
-    texts = self.tok.decode_batch([out_toks[i, : out_lens[i]] for i in range(len(toks))])
+    texts = out.decode(self.tok, keep_eos=True)
     rewards = _rewards.batch_rewards(texts, golds, format_weight=run.format_weight)
     correct = _rewards.batch_rewards(texts, golds)
     t_reward = time.perf_counter() - t0
     t0 = time.perf_counter()
     b = self._global_batch(Batch.from_rollout(toks, lens, out, rewards))
-    # the step donates the state: the records read the policy before the update, so keep a copy
-    before = jax.tree.map(jnp.copy, params) if self.trainer_records else None
     res = self.train_step(self.state, b)
     self.state, m = res[0], jax.device_get(res[1])
     t_train = time.perf_counter() - t0
-    if self.trainer_records:  # the slow path on the train step's own forward (params: before it)
-      t0 = time.perf_counter()
-      recs = jax.block_until_ready(self._records(before, b, res[2], self.adapt, k))
-      records_s = time.perf_counter() - t0
-      adapt, trainer_report = _adapt.after_trainer(self.adapt, self.config, before, recs, report)
-      self.adapt = jax.device_put(adapt, self.replicated)
-      report = {**report, "slow": trainer_report}
-      trainer_s = time.perf_counter() - t0 - float(trainer_report.get("compile_seconds") or 0.0)
     # the whole batch's rows (every process's), for metrics and traces
     toks, lens, out_toks, out_lens, rewards, correct, logprobs = (
         self._gather(x) for x in (toks, lens, out_toks, out_lens, rewards, correct, out.logprobs))
@@ -422,28 +355,18 @@ class Run:
         "clip_fraction": float(m.clip_fraction), "logp_gap_mean": float(m.logp_gap_mean),
         "logp_gap_max": float(m.logp_gap_max), "rollout_kl": float(m.rollout_kl),
         "entropy": float(m.entropy), "grad_norm": float(m.grad_norm),
-        "rollout_seconds": t_roll - adapt_s, "adaptation_seconds": adapt_s + trainer_s,
+        "rollout_seconds": t_roll - adapt_s, "adaptation_seconds": adapt_s,
         "reward_seconds": t_reward, "train_seconds": t_train,
         "step_seconds": time.perf_counter() - t_start,
         "head_acceptance": [float(x) for x in np.asarray(st.head_acceptance)],
-        "nodes": [n for _, n in spec.bucket_shapes(run.rows)] if run.rollout == "specroll"
-                 else [],
+        "nodes": [],
     }
-    if report:
-      rec["safety"] = report.get("safety")
-      rec["reflex"] = report.get("reflex")
-      slow = report.get("slow") or {}
-      rec["slow"] = {key: slow.get(key) for key in ("decision", "heads", "kept", "rolled_back",
-                                                     "refresh_seconds", "compile_seconds")}
-      refresh_s = float(slow.get("refresh_seconds") or 0.0)
-      # where the adaptation's host seconds went: the rollout side (Reflex's end of batch, and
-      # the slow path there with records="rollout"), the trainer's records, the slow path's
-      # monitor (and merge) and its refreshes
-      tr = self.trainer_records
-      rec["adaptation_split_seconds"] = {
-          "after_rollout": adapt_s if tr else max(adapt_s - refresh_s, 0.0), "records": records_s,
-          "monitor": max(trainer_s - records_s - refresh_s, 0.0) if tr else 0.0,
-          "refresh": refresh_s}
+    if report is not None:  # what SpecRoll did (``reports.SpecRollReport``)
+      rec.update(tau=report.tau, probe_tau=report.probe_tau, mode=report.mode,
+                 nodes=list(report.nodes), head_acceptance=list(report.depth_acceptance),
+                 safety=list(report.safety), reflex=report.reflex,
+                 probe_seconds=report.probe_seconds, compile_seconds=report.compile_seconds,
+                 slow=None if report.slow is None else dataclasses.asdict(report.slow))
     if run.eval_every and (k + 1) % run.eval_every == 0:
       rec["eval_accuracy"] = self.evaluate()
     if self.writer:
@@ -476,6 +399,17 @@ class Run:
     self.ckpt.close()
     if self.traces is not None:
       self.traces.close()
+
+
+def specroll_for(run: RunConfig, config, prompt_width: int) -> SpecRoll:
+  """The ``SpecRoll`` object of a run: its sampling, group size and lengths, the run's tree
+  settings (``spec``; goodput or its fixed budget), Reflex and the slow path, prompts padded to
+  the run's fixed width (one shape: one compile)."""
+  return SpecRoll(config, max_new_tokens=run.max_new_tokens, sampling=run.grpo.sampling,
+                  group_size=run.grpo.group_size, reflex=run.reflex, slow=run.slow,
+                  records_per_batch=run.records_per_batch, spec=run.spec,
+                  budget="goodput" if run.goodput else "fixed", kernels=run.kernels,
+                  cost_nodes=run.cost_nodes, prompt_width=prompt_width)
 
 
 def read_metrics(path) -> list[dict]:

@@ -3,13 +3,14 @@
 tunix's RL cluster builds a custom engine itself::
 
     cluster_config = rl_cluster.ClusterConfig(
-        ..., rollout_engine=functools.partial(SpecRollRollout, proposer=PromptLookup(),
-                                              proposer_params=()))
+        ..., rollout_engine=functools.partial(SpecRollRollout, heads=heads, num_generations=G))
 
 and calls it with ``rollout_actor=`` (the trainer's own nnx model: tunix shares it with a custom
-engine), ``tokenizer=``, ``mesh=`` and ``rollout_config=``. ``SpecRollRollout`` then decodes with
-``specroll_jax``'s engines: speculative with a proposer (``proposer=`` / ``heads=`` /
-``adaptation=``, the Reflex + slow-path state carried from call to call), vanilla without one.
+engine), ``tokenizer=``, ``mesh=`` and ``rollout_config=``. ``SpecRollRollout`` then decodes
+through ``specroll_jax.SpecRoll`` (``heads=``: the object's defaults, its state carried from call
+to call; ``proposer=`` with ``proposer_params=``: your proposer in the same object; ``specroll=``:
+settings of the object, e.g. ``{"budget": "fixed"}``), or through the vanilla engine without
+heads or a proposer (``experiments/tunix_grpo.py`` is a whole run).
 Either way every token is the target's own sample under the counter-based noise
 u(seed, sample id, position, token) (docs/design.md, "The central invariant"), so speculation
 changes the cost of a rollout, never its tokens.
@@ -41,9 +42,10 @@ moves the counter, e.g. after a restart.
 
 Outputs follow tunix's conventions: prompts are tokenized as its sampler does (BOS added unless
 already there), left-padded with ``pad_id`` to ``max_prompt_length`` (to the next power of two when
-a prompt is longer); completions are unpadded and keep a sampled EOS, as tunix's vLLM engine does
-(``keep_eos=False``: cut it, as its vanilla sampler does). ``RolloutOutput.logits`` is empty (no
-[M, V] logits are kept), as tunix's vanilla engine returns it.
+a prompt is longer); completions are unpadded and end before a sampled EOS, as tunix's own
+(vanilla) engine cuts it (``keep_eos=True`` keeps it, as its vLLM engine does).
+``RolloutOutput.logits`` is empty (no [M, V] logits are kept), as tunix's vanilla engine returns
+it.
 
 Not covered: LoRA models, sharding the decode over ``mesh`` (the rollout runs under ``jax.jit``
 with whatever sharding the parameters carry), multimodal prompts, beam search.
@@ -54,7 +56,6 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -68,17 +69,19 @@ from tunix.models.llama3 import model as _llama3
 from tunix.models.qwen2 import model as _qwen2
 from tunix.rl.rollout import base_rollout
 
+from specroll_jax import executables as _exe
+from specroll_jax import head_kinds
 from specroll_jax import sampling as _sampling
 from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines import VanillaEngine
 from specroll_jax.grpo.logprobs import trainer_logprobs
 from specroll_jax.kernels import Kernels
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer
 from specroll_jax.results import Rollout
-from specroll_jax.rollout import check_adaptation, prepare_batch, resolve_proposer
+from specroll_jax.rollout import prepare_batch
 from specroll_jax.sampling import SamplingConfig
-from specroll_jax.speculative import speculative_rollout
-from specroll_jax.vanilla import vanilla_rollout
+from specroll_jax.specroll import Mapped, SpecRoll
 
 __all__ = ["SUPPORTED_MODELS", "SpecRollRollout", "model_config_from_tunix", "params_from_tunix",
            "sampling_from_rollout_config", "tunix_source"]
@@ -299,24 +302,6 @@ def _next_power_of_2(x: int) -> int:
   return 1 << max(int(x) - 1, 0).bit_length()
 
 
-# ---------------------------------------------------------------------------------------------
-# Jitted entries: tunix arrays in, mapped inside the program
-
-
-@functools.partial(jax.jit, static_argnames=("config", "settings"))
-def _vanilla(config, src, tokens, lengths, sample_ids, eos_ids, seed, *, settings):
-  return vanilla_rollout(config, params_from_tunix(config, src), tokens, lengths, sample_ids,
-                         eos_ids, seed, settings=settings)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "proposer", "settings", "spec"))
-def _speculative(config, src, proposer, proposer_params, tokens, lengths, sample_ids, eos_ids,
-                 seed, *, settings, spec):
-  return speculative_rollout(config, params_from_tunix(config, src), proposer, proposer_params,
-                             tokens, lengths, sample_ids, eos_ids, seed, settings=settings,
-                             spec=spec)
-
-
 def _trainer_layout(prompt_tokens, completion_tokens, pad_id, completion_mask):
   """tunix's left-padded prompts / right-padded completions -> (right-padded prompts, prompt
   lengths, completion lengths). A prompt starts at its first non-pad token; a completion ends after
@@ -376,24 +361,28 @@ class SpecRollRollout(base_rollout.BaseRollout):
   mesh: the rollout mesh tunix passes (kept, not used to shard the decode).
   rollout_config: tunix's ``RolloutConfig`` the cluster passes (its TRAIN one): what
     ``get_per_token_logps`` scores under; ``generate`` reads the one it is given.
-  proposer, proposer_params / heads / adaptation: the speculative engine, as in
-    ``rollout.generate`` (none of them: vanilla). ``adaptation``: an ``adaptation.AdaptationState``
-    carried across calls (``self.adaptation``; ``self.adaptation_report`` after each call).
-  spec: ``SpecConfig`` of the speculative engine (default ``SpecConfig()``).
-  num_generations: G; when set, ``generate`` checks tunix's group layout (G consecutive copies of
-    each prompt).
+  heads: future-token heads (``cond_heads.CondHeads`` for the default tree, or ``heads.Heads``):
+    decode through ``SpecRoll`` with its defaults. proposer, proposer_params: your proposer in the
+    same object instead. specroll: other ``SpecRoll`` settings (a dict of its fields, e.g.
+    ``{"budget": "fixed", "spec": SpecConfig(...)}``). None of heads / proposer: the vanilla
+    engine. ``self.state`` is the object's state (carried from call to call, per rollout config),
+    ``self.report`` the last call's ``SpecRollReport``. adaptation, spec: deprecated (a
+    DeprecationWarning; ``heads=adaptation.heads`` and ``specroll={"spec": spec}``).
+  num_generations: G (the object's group size; 1 when None); when set, ``generate`` checks
+    tunix's group layout (G consecutive copies of each prompt).
   seed: the seed when ``RolloutConfig.seed`` is None.
-  keep_eos: keep a sampled EOS in the completion (tunix's vLLM engine) or cut it (its vanilla one).
+  keep_eos: keep a sampled EOS in the completion (tunix's vLLM engine) or cut it (default: its own
+    vanilla engine does).
   max_position_embeddings: our position limit for the model (tunix's models state none).
   """
 
   def __init__(self, rollout_actor=None, tokenizer=None, mesh=None,
-               rollout_config: base_rollout.RolloutConfig | None = None, *,
-               proposer: Proposer | None = None, proposer_params=None, heads=None,
-               adaptation=None, spec: SpecConfig | None = None, num_generations: int | None = None,
-               seed: int = 0, keep_eos: bool = True, kernels: str | Kernels = "auto",
+               rollout_config: base_rollout.RolloutConfig | None = None, *, heads=None,
+               proposer: Proposer | None = None, proposer_params=None,
+               specroll: dict | None = None, num_generations: int | None = None, seed: int = 0,
+               keep_eos: bool = False, kernels: str | Kernels = "auto",
                max_position_embeddings: int = 32768, tokenizer_vocab_size: int | None = None,
-               on_nonfinite: str = "raise"):
+               on_nonfinite: str = "raise", adaptation=None, spec: SpecConfig | None = None):
     if rollout_actor is None:
       raise ValueError(f"rollout_actor is None; pass a tunix model: {_supported_names()}")
     if tokenizer is None:
@@ -433,20 +422,45 @@ class SpecRollRollout(base_rollout.BaseRollout):
       if tid is not None and not 0 <= int(tid) < v:
         raise ValueError(f"tokenizer.{name}()={tid} is outside the model's vocabulary "
                          f"[0, vocab_size={v})")
+    specroll = dict(specroll or {})
     if adaptation is not None:
-      check_adaptation(adaptation, heads=heads, proposer=proposer,
-                       proposer_params=proposer_params)
-      spec = spec or SpecConfig()
-    else:
-      spec, proposer, proposer_params = resolve_proposer(spec, heads, proposer, proposer_params)
-    self._spec, self._proposer, self._proposer_params = spec, proposer, proposer_params
-    self.adaptation = adaptation
-    self.adaptation_report: dict | None = None
+      warnings.warn("SpecRollRollout(adaptation=...) is deprecated: pass heads= (the SpecRoll "
+                    "object's defaults carry Reflex and the slow path); using "
+                    "heads=adaptation.heads", DeprecationWarning, stacklevel=2)
+      if heads is not None:
+        raise ValueError("pass heads= or the deprecated adaptation=, not both")
+      heads = adaptation.heads
+    if spec is not None:
+      warnings.warn("SpecRollRollout(spec=...) is deprecated: pass specroll={'spec': ...}",
+                    DeprecationWarning, stacklevel=2)
+      specroll.setdefault("spec", spec)
+    if heads is not None and proposer is not None:
+      raise ValueError("pass heads= (the default tree) or proposer= with proposer_params=, not "
+                       "both")
+    if proposer is not None and proposer_params is None:
+      raise ValueError(f"proposer_params is None but proposer={type(proposer).__name__}(...) is "
+                       "given: pass its parameters (() for a proposer without any)")
+    if proposer is None and proposer_params is not None:
+      raise ValueError("proposer_params is set but proposer is None")
+    if heads is not None:
+      head_kinds.validate(self._base_config, heads)
+    self._heads, self._proposer, self._proposer_params = heads, proposer, proposer_params
+    self._specroll_kw = specroll
+    self._objects: dict = {}  # (config, sampling, lengths, eos, width) -> (SpecRoll, state)
+    self._params_from: dict = {}  # config -> the mapping of tunix arrays onto ours (one each)
+    self.state = None
+    self.report = None
     self.last_rollout: Rollout | None = None  # our engine's output of the last generate call
     self.last_sample_ids: np.ndarray | None = None
     self._sampling = sampling_from_rollout_config(self._rollout_config)
     self._config(self._rollout_config)  # validate the cluster's config up front
-    self._current_proposer()  # validate the proposer against the model
+    if self.speculative:  # validate the object's settings and the proposer against the model
+      self._object(self._base_config, self._sampling, 16, (self._eos,), 32)
+
+  @property
+  def speculative(self) -> bool:
+    """Whether decoding goes through ``SpecRoll`` (heads or a proposer were given)."""
+    return self._heads is not None or self._proposer is not None
 
   # --- tunix's interface -------------------------------------------------------------------
 
@@ -487,7 +501,7 @@ class SpecRollRollout(base_rollout.BaseRollout):
     ids = self._sample_ids(prompts) if sample_ids is None else np.asarray(sample_ids)
     batch = prepare_batch(config, right, prompt_lengths=lens, max_new_tokens=m, sample_ids=ids,
                           eos_ids=eos, cache_length=width + m)
-    out = self._decode(config, batch, sampling, m, seed)
+    out = self._decode(config, batch, sampling, m, seed, width, eos)
     if sample_ids is None:
       self._next_row += b
     self.last_sample_ids = batch.sample_ids
@@ -596,51 +610,55 @@ class SpecRollRollout(base_rollout.BaseRollout):
     first = self._next_row // g
     return _sampling.group_sample_ids(np.arange(first, first + b // g, dtype=np.int64), g)
 
-  def _current_proposer(self):
-    if self.adaptation is not None:
-      from specroll_jax import adaptation as _adapt
-      proposer, params = _adapt.proposer(self.adaptation)
-    else:
-      proposer, params = self._proposer, self._proposer_params
-    if proposer is not None:
-      proposer.validate(self._base_config, params)
-    return proposer, params
+  def _mapping(self, config: ModelConfig):
+    """``params_from_tunix`` for ``config``: one function object per config, so the compiled
+    programs that read tunix's arrays through it are found again on the next call."""
+    if config not in self._params_from:
+      self._params_from[config] = functools.partial(params_from_tunix, config)
+    return self._params_from[config]
 
-  def _decode(self, config, batch, sampling, m, seed) -> Rollout:
-    if self.adaptation is not None:
-      cfg = self.adaptation.config
-      want = cfg.for_sampling(sampling).slow.temperature
-      if cfg.slow.mode != "off" and cfg.slow.temperature != want:
-        raise ValueError(
-            f"adaptation's SlowPathConfig.temperature={cfg.slow.temperature} does not match the "
-            f"rollout temperature (records are at {want}); build the state with "
-            "AdaptationConfig.for_sampling(sampling_from_rollout_config(rollout_config))")
-    proposer, pparams = self._current_proposer()
-    if proposer is not None:
-      proposer.validate_batch(config, pparams, batch.tokens, batch.lengths, batch.sample_ids)
-    settings = DecodeSettings(sampling=sampling, max_new_tokens=m, cache_length=batch.cache_length,
-                              kernels=self._kernels, pad_id=self._pad)
+  def _object(self, config, sampling, m: int, eos: tuple[int, ...], width: int):
+    """(the ``SpecRoll`` object of these rollout settings, its current state)."""
+    key = (config, sampling, m, eos, width)
+    if key not in self._objects:
+      kw = dict(max_new_tokens=m, sampling=sampling, group_size=self._num_generations or 1,
+                eos_ids=eos, proposer=self._proposer, kernels=self._kernels, prompt_width=width,
+                params_from=self._mapping(config))
+      kw.update(self._specroll_kw)
+      try:
+        obj = SpecRoll(config, **kw)
+      except TypeError as e:
+        raise ValueError(f"specroll: {e} (its keys must be SpecRoll fields)") from None
+      state = obj.init(self._heads, proposer_params=self._proposer_params)
+      self._objects[key] = (obj, state)
+    return self._objects[key]
+
+  def _decode(self, config, batch, sampling, m, seed, width, eos) -> Rollout:
     src = tunix_source(self._base_config, self._model)
-    args = (jnp.asarray(batch.tokens), jnp.asarray(batch.lengths), jnp.asarray(batch.sample_ids),
-            jnp.asarray(batch.eos_ids), jnp.uint32(seed))
-    t0 = time.perf_counter()
-    if proposer is None:
-      out = _vanilla(config, src, *args, settings=settings)
+    if self.speculative:
+      obj, state = self._object(config, sampling, m, tuple(eos), width)
+      g = obj.group_size
+      sids = batch.sample_ids
+      pids = sids[::g] // g
+      if not (sids == _sampling.group_sample_ids(pids, g)).all():
+        raise ValueError(f"sample_ids {sids.tolist()} are not whole groups of G={g} "
+                         "(prompt * G + member)")
+      rows = [batch.tokens[i, : batch.lengths[i]] for i in range(0, len(sids), g)]
+      out, state = obj.generate(src, obj.batch(rows, pids), state, seed=seed)
+      self._objects[(config, sampling, m, tuple(eos), width)] = (obj, state)
+      self.state, self.report = state, out.report
     else:
-      out = _speculative(config, src, proposer, pparams, *args, settings=settings, spec=self._spec)
-    nf = np.asarray(out.stats.nonfinite)
-    if nf.any():
-      msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
-      if self._on_nonfinite == "raise":
-        raise FloatingPointError(msg)
-      warnings.warn(msg, RuntimeWarning, stacklevel=3)
-    if self.adaptation is not None:
-      from specroll_jax import adaptation as _adapt
-      # the slow path reads the final norm and unembedding: an eager view (only the attention
-      # kernels, which it does not read, are reshaped by copy here)
-      params = params_from_tunix(config, src)
-      self.adaptation, self.adaptation_report = _adapt.after_rollout(
-          self.adaptation, config, params, out, time.perf_counter() - t0)
+      settings = DecodeSettings(sampling=sampling, max_new_tokens=m,
+                                cache_length=batch.cache_length, kernels=self._kernels,
+                                pad_id=self._pad)
+      engine = Mapped(VanillaEngine(config, settings), self._mapping(config))
+      out = _exe.run(engine, src, batch.device(seed))
+      nf = np.asarray(out.stats.nonfinite)
+      if nf.any():
+        msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
+        if self._on_nonfinite == "raise":
+          raise FloatingPointError(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
     self.last_rollout = out
     return out
 

@@ -220,9 +220,14 @@ class SlowPathConfig:
     each), then refreshed on sustained degradation. :meth:`for_small_models` for a model of
     hidden size below 512 (the embedded one), the defaults (sized for 1.5B-parameter heads)
     otherwise."""
+    return cls.for_hidden_size(config.hidden_size, **kw)
+
+  @classmethod
+  def for_hidden_size(cls, hidden_size: int, **kw) -> SlowPathConfig:
+    """:meth:`for_model` of a model whose hidden size is ``hidden_size``."""
     base = dict(bootstrap_batches=10, bootstrap_steps=20)
     base.update(kw)
-    if config.hidden_size < 512:
+    if hidden_size < 512:
       return cls.for_small_models(**base)
     return cls(**base)
 

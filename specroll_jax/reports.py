@@ -1,0 +1,63 @@
+"""What ``SpecRoll.generate`` reports about one batch: typed records of plain host numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specroll_jax.goodput import BucketChoice
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowReport:
+  """The slow path after one batch: the monitor's decision (``slow_path.REASONS``), the heads
+  refreshed, kept and rolled back, and the refresh's seconds (its compile apart)."""
+
+  decision: str
+  heads: tuple[int, ...] = ()
+  kept: tuple[int, ...] = ()
+  rolled_back: tuple[int, ...] = ()
+  refresh_seconds: float = 0.0
+  compile_seconds: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecRollReport:
+  """What one ``SpecRoll.generate`` call did.
+
+  batch: the state's batch counter before it. mode: "speculative" (every row verified trees),
+  "vanilla" (goodput verified none) or "probe" (vanilla, and the first groups also through the
+  speculative engine to measure acceptance). nodes: nodes per row in each bucket (0: the plain
+  step). tau: committed tokens per row-forward over the batch (1.0 for vanilla rows).
+  probe_tau / depth_acceptance: tau and accepted / proposed per depth of the rows that verified
+  trees (None / () when none did). expected: accepted nodes per row-step with the best n nodes,
+  after this batch (what goodput weighs). reflex: "awake", "asleep", "idle" (no tree this batch)
+  or "off"; safety: Reflex's global safety per head. slow: the slow path's report (None: off).
+  records: slow-path records drawn per head. rollout_seconds: the rollout's wall-clock (the
+  probe's included), probe_seconds: the probe's share, host_seconds: the host work after it,
+  compile_seconds: programs compiled by this call (warm-up), never part of the other figures.
+  choice: goodput's reasoning per bucket.
+  """
+
+  batch: int
+  mode: str
+  nodes: tuple[int, ...]
+  tau: float
+  probe_tau: float | None
+  depth_acceptance: tuple[float, ...]
+  expected: tuple[float, ...]
+  reflex: str
+  safety: tuple[float, ...]
+  slow: SlowReport | None
+  records: tuple[int, ...]
+  rollout_seconds: float
+  probe_seconds: float
+  host_seconds: float
+  compile_seconds: float
+  choice: tuple[BucketChoice, ...] = ()
+
+  def to_dict(self) -> dict:
+    """Plain values for a metrics line (JSON)."""
+    return dataclasses.asdict(self)
+
+
+__all__ = ["SlowReport", "SpecRollReport"]

@@ -1,0 +1,160 @@
+"""``SpecRoll``, the one object: the vanilla tokens under every plan (Reflex awake and asleep in the
+merged tree, a probe), the state it carries (calibration, expected acceptance, store, Reflex), its
+plans from a cost model, its checks, and the array-backed store against ``ResponseStore``."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specroll_jax import SpecRoll, SpecRollState, rollout
+from specroll_jax import cond_heads as CH
+from specroll_jax import store as S
+from specroll_jax.config import SpecConfig
+from specroll_jax.goodput import CostModel
+from specroll_jax.reports import SpecRollReport
+from specroll_jax.slow_path import SlowPathConfig
+
+G, M = 4, 16
+ONE = SpecConfig(bucket_fractions=(1.0,), node_budget=32, max_nodes=4)  # one bucket: one compile
+
+
+@pytest.fixture(scope="module")
+def setup(trained_model, gsm8k_prompts):
+  config, params, tok = trained_model
+  heads = CH.init(jax.random.key(0), config, 3, width=32)
+  heads = heads.replace(w_o=0.05 * jax.random.normal(jax.random.key(1), heads.w_o.shape))
+  sr = SpecRoll(config, max_new_tokens=M, group_size=G, spec=ONE, budget="fixed",
+                slow=SlowPathConfig(mode="off"), sampling=rollout.SamplingConfig(temperature=1.0))
+  return config, params, tok, heads, sr, gsm8k_prompts[:2]
+
+
+def _vanilla(config, params, batch, seed):
+  return rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
+                          sample_ids=batch.sample_ids, max_new_tokens=M, seed=seed,
+                          sampling=rollout.SamplingConfig(temperature=1.0),
+                          cache_length=batch.rows.cache_length, bucket_fractions=(1.0,))
+
+
+def test_generate_equals_vanilla_and_carries_the_state(setup):
+  """Two batches: Reflex awake in the merged tree (heads + lookup + corrections), then as the
+  state says; the same tokens as vanilla both times, and the state moves (calibration counts,
+  expected acceptance, the store, the batch counters)."""
+  config, params, tok, heads, sr, prompts = setup
+  state = sr.init(heads)
+  assert isinstance(state, SpecRollState) and int(state.batches) == 0
+  batch = sr.batch(prompts, np.array([0, 1]))
+  width = batch.tokens.shape[1]  # a power of two: batches of similar prompts share programs
+  assert len(batch) == 2 * G and width & (width - 1) == 0 and width // 2 < max(map(len, prompts))
+  assert batch.sample_ids.tolist() == list(range(2 * G))
+  out, st1 = sr.generate(params, batch, state, seed=3)
+  van = _vanilla(config, params, batch, 3)
+  assert (np.asarray(out.tokens) == np.asarray(van.tokens)).all()
+  assert (np.asarray(out.lengths) == np.asarray(van.lengths)).all()
+  np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(van.logprobs), atol=1e-4)
+  r = out.report
+  assert isinstance(r, SpecRollReport) and r.mode == "speculative" and r.reflex == "awake"
+  assert r.probe_tau == r.tau >= 1.0 and len(r.depth_acceptance) == 6
+  assert int(st1.batches) == 1 and int(st1.adaptation.batches) == 1
+  tested = np.asarray(st1.calibration.tested)
+  assert tested.sum() > 0 and (np.asarray(st1.calibration.hit) <= tested).all()
+  assert np.asarray(st1.expected)[1:].any()
+  ids = np.asarray(st1.store.prompt_ids)
+  assert sorted(ids[ids >= 0].tolist()) == [0, 1]
+  assert (np.asarray(st1.store.count)[ids >= 0] == G).all()
+  # the next batch (other prompts, the earlier responses of prompt 1 in the store)
+  batch2 = sr.batch([prompts[1], prompts[0]], np.array([1, 5]))
+  out2, st2 = sr.generate(params, batch2, st1, seed=4)
+  van2 = _vanilla(config, params, batch2, 4)
+  assert (np.asarray(out2.tokens) == np.asarray(van2.tokens)).all()
+  assert out2.report.reflex in ("awake", "asleep") and int(st2.batches) == 2
+  assert out.decode(tok)[0] == tok.decode(np.asarray(out.tokens)[0, : int(out.lengths[0])]
+                                          .tolist()).replace(tok.decode(list(tok.eos_ids)), "")
+
+
+def test_plans_from_cost_and_acceptance(setup):
+  """Goodput's plan: vanilla where no tree pays (a probe every ``probe_every`` batches, on the
+  first group, in one bucket), speculative where trees pay; the same choice from any process."""
+  config, params, tok, heads, sr, prompts = setup
+  sr = dataclasses.replace(sr, budget="goodput", probe_every=2, spec=SpecConfig())
+  state = sr.init(heads)
+  batch = sr.batch(prompts, np.array([0, 1]))
+  linear = CostModel(rows=(8, 1), node_counts=(0, 4), seconds=((1.0, 3.0), (0.2, 0.6)))
+  flat = CostModel(rows=(8, 1), node_counts=(0, 4), seconds=((1.0, 1.05), (0.2, 0.21)))
+  expected = jnp.asarray(np.linspace(0.0, 1.6, len(np.asarray(state.expected))), jnp.float32)
+  st = state.replace(cost=linear, expected=expected)
+  p = sr.plan(st, batch)  # batch 0: a probe
+  assert p.mode == "probe" and p.probe_rows == G and p.spec.nodes == (4,)
+  assert p.spec.bucket_fractions == (1.0,) and p.reflex == "awake"
+  p = sr.plan(st.replace(batches=jnp.int32(1)), batch)
+  assert p.mode == "vanilla" and p.proposer is None and p.reflex == "idle"
+  assert all(c.nodes == 0 for c in p.choice)
+  p = sr.plan(state.replace(cost=flat, expected=expected, batches=jnp.int32(1)), batch)
+  assert p.mode == "speculative" and any(p.spec.nodes) and p.probe_rows == len(batch)
+  p = sr.plan(state.replace(cost=linear), batch)  # nothing measured yet: probe to learn it
+  assert p.mode == "probe"
+
+
+def test_bad_input(setup):
+  config, params, tok, heads, sr, prompts = setup
+  state = sr.init(heads)
+  batch = sr.batch(prompts, np.array([0, 1]))
+  other = dataclasses.replace(sr, sampling=rollout.SamplingConfig(temperature=0.7))
+  with pytest.raises(ValueError, match="another SpecRoll"):
+    other.generate(params, batch, state)
+  with pytest.raises(ValueError, match="another SpecRoll"):
+    sr.generate(params, batch, dataclasses.replace(sr, group_size=2).init(heads))
+  with pytest.raises(ValueError, match="state must be a SpecRollState"):
+    sr.generate(params, batch, {"heads": heads})
+  with pytest.raises(ValueError, match="group_size 2"):
+    sr.generate(params, dataclasses.replace(sr, group_size=2).batch(prompts, [0, 1]), state)
+  with pytest.raises(ValueError, match="duplicates"):
+    sr.batch(prompts, np.array([3, 3]))
+  with pytest.raises(ValueError, match="prompts has 2 entries but prompt_ids 3"):
+    sr.batch(prompts, np.array([0, 1, 2]))
+  with pytest.raises(ValueError, match="prompt_width=32"):
+    dataclasses.replace(sr, prompt_width=32).batch([list(range(1, 40))], [0])
+  with pytest.raises(ValueError, match="vocab_size"):
+    sr.batch([[1, config.vocab_size]], [0])
+  with pytest.raises(ValueError, match="seed"):
+    sr.generate(params, batch, state, seed=-1)
+  with pytest.raises(ValueError, match="SpecRoll.budget"):
+    dataclasses.replace(sr, budget="fast")
+  with pytest.raises(ValueError, match="SpecRoll.group_size"):
+    dataclasses.replace(sr, group_size=0)
+  with pytest.raises(ValueError, match="cost_nodes"):
+    dataclasses.replace(sr, cost_nodes=(1, 4))
+  with pytest.raises(ValueError, match="proposer_params"):
+    sr.init(heads, proposer_params=())
+  big = S.store_init(vocab_size=config.vocab_size + 1, prompts=4, per_prompt=2, max_tokens=M)
+  with pytest.raises(ValueError, match="vocabulary"):
+    sr.generate(params, batch, state.replace(store=big))
+
+
+def test_store_state_matches_response_store():
+  """The array-backed store gives the contexts ``ResponseStore`` gives (newest first, cut to its
+  width, least recently written prompt dropped past capacity), and refuses what it refuses."""
+  rng = np.random.default_rng(0)
+  ref = S.ResponseStore(vocab_size=50, per_prompt=3, max_tokens=5, max_prompts=4)
+  st = S.store_init(vocab_size=50, prompts=4, per_prompt=3, max_tokens=5)
+  prompts = {p: rng.integers(1, 50, size=rng.integers(1, 6)).tolist() for p in range(7)}
+  for _ in range(12):
+    pids = rng.choice(7, size=3, replace=False)
+    toks = rng.integers(0, 50, size=(3, 8))
+    lens = rng.integers(0, 9, size=3)
+    ps = [prompts[int(p)] for p in pids]
+    ref.add(pids, ps, toks, lens)
+    st = S.store_add(st, pids, ps, toks, lens)
+    ask = np.arange(7)
+    held = [p for p in ask if len(ref.responses(p))]
+    got = S.store_context(st, held, [prompts[p] for p in held], vocab_size=50)
+    want = ref.context(held, [prompts[p] for p in held], vocab_size=50)
+    np.testing.assert_array_equal(got, want)
+  with pytest.raises(ValueError, match="other prompt tokens"):
+    S.store_add(st, [held[0]], [[1, 2, 3, 4, 5, 6, 7]], np.zeros((1, 2), int), np.array([1]))
+  with pytest.raises(ValueError, match="vocabulary"):
+    S.store_context(st, [0], [prompts[0]], vocab_size=51)
+  with pytest.raises(ValueError, match="outside"):
+    S.store_add(st, [0], [prompts[0]], np.full((1, 2), 50), np.array([2]))
