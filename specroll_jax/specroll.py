@@ -598,16 +598,24 @@ class SpecRoll:
     slow, counts = None, ()
     if adapt is not None and adapt.config.slow.mode != "off" and out.hidden is not None:
       adapt, slow, counts = self._slow_path(params, adapt, batch, out, seconds, seed)
-    acc = () if spec is None else tuple(float(a) for a in np.asarray(spec.stats.head_acceptance))
+    acc = ()
+    if spec is not None:  # over every process's rows
+      prop = distributed.all_sum(spec.stats.spec.depth_proposed).astype(np.float64)
+      hit = distributed.all_sum(spec.stats.spec.depth_accepted)
+      acc = tuple(float(x) for x in hit / np.maximum(prop, 1))
+      if plan.mode == "probe":
+        probe_tau = _tau(spec)
     new = state.replace(adaptation=None if adapt is None else _place(adapt.replace(
         batches=adapt.batches + 1)), calibration=cal, expected=expected, store=store,
                         batches=state.batches + 1)
+    if jax.process_count() > 1:
+      _check_same(new)
     nodes = (tuple(plan.spec.nodes) if plan.mode != "vanilla" and plan.spec.nodes is not None
              else (0,) * len(self.spec.bucket_fractions))
     report = SpecRollReport(
         batch=int(state.batches), mode=plan.mode, nodes=nodes,
-        tau=float(out.stats.tokens_per_forward),
-        probe_tau=None if probe_tau is None else float(probe_tau), depth_acceptance=acc,
+        tau=_tau(out), probe_tau=None if probe_tau is None else float(
+            _tau(out) if plan.mode == "speculative" else probe_tau), depth_acceptance=acc,
         expected=tuple(float(x) for x in np.asarray(expected)), reflex=plan.reflex,
         safety=safety, slow=slow, records=counts, rollout_seconds=float(seconds),
         probe_seconds=float(probe_seconds), host_seconds=time.perf_counter() - t0,
@@ -633,6 +641,11 @@ class SpecRoll:
     acc = np.where(valid.sum(1) > 0, hit.sum(1) / np.maximum(valid.sum(1), 1), np.nan)
     slow, heads, rep = _slow.after_batch(cfg.slow, adapt.slow, self.config, params, adapt.heads,
                                          recs, jnp.asarray(acc, jnp.float32), float(seconds))
+    if jax.process_count() > 1:  # the refresh's clock as the slowest process measured it
+      m = slow.monitor
+      slow = slow.replace(monitor=m.replace(**{k: jnp.float32(distributed.all_max(getattr(m, k)))
+                                               for k in ("refresh_seconds",
+                                                         "last_refresh_seconds")}))
     report = SlowReport(decision=rep["decision"], heads=tuple(rep["heads"]),
                         kept=tuple(rep["kept"]), rolled_back=tuple(rep["rolled_back"]),
                         refresh_seconds=float(rep["refresh_seconds"]),
@@ -678,6 +691,26 @@ def _with_table(params, table):
     return params.replace(acceptance=jnp.asarray(table, jnp.float32).reshape(
         np.shape(params.acceptance)))
   return params
+
+
+def _tau(out: Rollout) -> float:
+  """Committed tokens per row-forward over every process's rows."""
+  st = out.stats
+  return float(distributed.all_sum(st.tokens)) / max(float(distributed.all_sum(
+      st.row_forwards)), 1.0)
+
+
+def _check_same(state: SpecRollState) -> None:
+  """RuntimeError unless every process holds the same state (what all-reduced statistics and
+  shared records guarantee; a bug here would silently split the processes' proposals)."""
+  import hashlib as _h
+  d = _h.blake2b(digest_size=8)
+  for x in jax.tree.leaves(state):
+    d.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+  mine = np.frombuffer(d.digest(), np.int32).copy()
+  every = np.asarray(distributed.all_rows(mine[None]))
+  if not (every == mine[None]).all():
+    raise RuntimeError("SpecRoll's state differs between processes after this batch")
 
 
 def _head(rows: PreparedBatch, k: int) -> PreparedBatch:

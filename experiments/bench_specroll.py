@@ -1,0 +1,232 @@
+"""SpecRoll's defaults against the compacting vanilla engine, and its adaptation to a task shift.
+
+  .venv/bin/python experiments/bench_specroll.py                  # both parts, T = 1, 0.7, 0
+  .venv/bin/python experiments/bench_specroll.py --quick          # CI-sized smoke run
+
+Part 1, per task (the main job's synthetic problems, GSM8K) and temperature: a GRPO-shaped batch
+of --prompts *test* prompts x --group, rolled out by the compacting vanilla engine and by
+``SpecRoll`` with its defaults (goodput budgets: the wall-clock row), and by the same object's tree
+with --nodes nodes per row in every bucket (``budget="fixed"``: the proposal-quality row: tau,
+depth-1 acceptance). Before the measured batch each object rolls out --warmup batches of other
+prompts (its calibration, Reflex and slow path learn there) and the measured prompts once at
+another seed (what a later epoch finds in its store of earlier responses). Compile seconds are the
+first call's ``report.compile_seconds``; every timed call runs warm, median of --repeats. Every
+row checks the vanilla tokens.
+
+Part 2, the task shift: heads fitted for one task (the shipped root-conditioned heads: the
+synthetic problems) propose on GSM8K prompts at T = 1, --shift-batches batches of --shift-prompts
+prompts x G, --nodes nodes per row: tau per batch for the object (adaptation on), for the same
+object with its slow path and Reflex off (static heads), and for heads fitted on the target's own
+GSM8K rollouts (the ceiling; ``pipeline.fitted_cond_heads``, cached). Writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import _common
+import jax
+import numpy as np
+
+from specroll_jax import cli, pipeline, rollout
+from specroll_jax.data import gsm8k, tasks
+from specroll_jax.slow_path import SlowPathConfig
+from specroll_jax.specroll import SpecRoll
+
+TASKS = ("synthetic", "gsm8k")
+
+
+def prompts_of(tok, task: str, split: str, n: int, offset: int = 0):
+  exs = tasks.Task(name=task).examples(split)[offset:offset + n]
+  if len(exs) < n:
+    cli.fail("--prompts", n, f"{task} {split} has {len(exs) + offset} problems")
+  return [tok.encode(gsm8k.format_prompt(e.question)) for e in exs]
+
+
+def run_object(sr, params, state, tok, a, task, seed):
+  """Warm the object (other prompts, then the measured ones at another seed), then time it on
+  the measured batch. Returns (report row, state)."""
+  for w in range(a.warmup):
+    ids = prompts_of(tok, task, "train", a.prompts, offset=w * a.prompts)
+    _, state = sr.generate(params, sr.batch(ids, 10_000 + w * a.prompts + np.arange(a.prompts)),
+                           state, seed=seed + 100 + w)
+  batch = sr.batch(prompts_of(tok, task, "test", a.prompts), np.arange(a.prompts))
+  out, state = sr.generate(params, batch, state, seed=seed + 1000)  # an earlier epoch: the store
+  compile_s = out.report.compile_seconds
+  times, reports = [], []
+  for _ in range(a.repeats):  # the same state each time: the same plan, the same tokens
+    out, _ = sr.generate(params, batch, state, seed=seed)
+    times.append(out.report.rollout_seconds)
+    reports.append(out.report)
+    compile_s += out.report.compile_seconds if len(times) == 1 else 0.0
+  r = reports[0]
+  return out, batch, {"seconds": float(np.median(times)), "tau": r.tau, "probe_tau": r.probe_tau,
+                      "depth1": r.depth_acceptance[0] if r.depth_acceptance else None,
+                      "mode": r.mode, "nodes": list(r.nodes), "compile_s": compile_s,
+                      "reflex": r.reflex}
+
+
+def part1(a, config, params, tok, heads, task, temperature):
+  sampling = rollout.SamplingConfig(temperature=temperature)
+  m = a.max_new_tokens if task == "gsm8k" else min(a.max_new_tokens, 48)
+  base = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=m)
+  fixed = dataclasses.replace(base, budget="fixed", spec=dataclasses.replace(
+      base.spec, nodes=(a.nodes,) * len(base.spec.bucket_fractions)))
+  rows = []
+  van_batch = base.batch(prompts_of(tok, task, "test", a.prompts), np.arange(a.prompts))
+  van = lambda s: rollout.generate(config, params, van_batch.tokens, sampling=sampling,
+                                   prompt_lengths=van_batch.lengths, max_new_tokens=m,
+                                   sample_ids=van_batch.sample_ids, seed=s, eos_ids=base.eos_ids,
+                                   cache_length=van_batch.rows.cache_length)
+  ref, t_van, c_van = _common.timed(lambda: van(a.seed), a.repeats)
+  rows.append({"engine": "vanilla (compacting)", "seconds": t_van, "tau": 1.0,
+               "compile_s": c_van, "identical": True})
+  for name, sr in (("SpecRoll defaults", base), (f"SpecRoll tree, {a.nodes} nodes/row", fixed)):
+    out, _, row = run_object(sr, params, sr.init(heads), tok, a, task, a.seed)
+    row.update(engine=name, identical=bool((np.asarray(out.tokens) == np.asarray(ref.tokens))
+                                            .all()))
+    rows.append(row)
+    print(f"  {task} T={temperature} {name}: tau {row['tau']:.3f} (trees {row['probe_tau']}), "
+          f"{t_van / row['seconds']:.2f}x, mode {row['mode']} {row['nodes']}", flush=True)
+  for r in rows:
+    r["vs_vanilla"] = t_van / r["seconds"]
+  return {"task": task, "temperature": temperature, "max_new_tokens": m, "rows": rows}
+
+
+def part2(a, config, params, tok, path, heads):
+  sampling = rollout.SamplingConfig(temperature=1.0)
+  m = a.max_new_tokens
+  print("== task shift: fitting / loading the GSM8K ceiling heads ==", flush=True)
+  ceiling = pipeline.fitted_cond_heads(config, params, tok, path, sampling=sampling,
+                                       num_prompts=a.ceiling_prompts, steps=a.ceiling_steps,
+                                       max_new_tokens=m)
+  sr = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=m, budget="fixed")
+  sr = dataclasses.replace(sr, spec=dataclasses.replace(
+      sr.spec, nodes=(a.nodes,) * len(sr.spec.bucket_fractions)))
+  static = dataclasses.replace(sr, reflex=None, slow=SlowPathConfig(mode="off"))
+  arms = {"SpecRoll (adapting)": (sr, sr.init(heads)),
+          "static heads": (static, static.init(heads)),
+          "ceiling (heads fitted on GSM8K)": (static, static.init(ceiling))}
+  curves = {k: [] for k in arms}
+  for b in range(a.shift_batches):
+    ids = prompts_of(tok, "gsm8k", "train", a.shift_prompts, offset=20_000 + b * a.shift_prompts)
+    pids = 50_000 + b * a.shift_prompts + np.arange(a.shift_prompts)
+    for name, (obj, st) in arms.items():
+      out, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b)
+      arms[name] = (obj, st)
+      curves[name].append({"tau": out.report.tau, "slow": None if out.report.slow is None
+                           else out.report.slow.decision, "host_s": out.report.host_seconds,
+                           "rollout_s": out.report.rollout_seconds})
+    print(f"  batch {b}: " + ", ".join(f"{k} {v[-1]['tau']:.3f}" for k, v in curves.items()),
+          flush=True)
+  return {"curves": curves, "batch_rows": a.shift_prompts * a.group}
+
+
+def main(argv=None):
+  ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  _common.add_shared_flags(ap, out="runs/bench_specroll.json")
+  ap.add_argument("--temperatures", type=float, nargs="+", default=[1.0, 0.7, 0.0])
+  ap.add_argument("--tasks", nargs="+", choices=TASKS, default=list(TASKS))
+  ap.add_argument("--nodes", type=int, default=4, help="nodes per row of the quality rows")
+  ap.add_argument("--warmup", type=int, default=2, help="batches of other prompts first")
+  ap.add_argument("--repeats", type=int, default=2)
+  ap.add_argument("--parts", nargs="+", choices=["defaults", "shift"], default=["defaults",
+                                                                              "shift"])
+  ap.add_argument("--shift-batches", type=int, default=12)
+  ap.add_argument("--shift-prompts", type=int, default=8)
+  ap.add_argument("--ceiling-prompts", type=int, default=2048)
+  ap.add_argument("--ceiling-steps", type=int, default=4000)
+  ap.add_argument("--quick", action="store_true", help="CI-sized: 2 prompts x 4, 24 tokens, T=1")
+  a = ap.parse_args(argv)
+  _common.check_shared_flags(a, temperatures=0.0, nodes=1, warmup=0, repeats=1, shift_batches=1,
+                             shift_prompts=1, ceiling_prompts=1, ceiling_steps=1)
+  if a.quick:
+    a.temperatures, a.prompts, a.group, a.max_new_tokens = [1.0], 2, 4, 24
+    a.repeats, a.warmup, a.shift_batches, a.shift_prompts = 1, 1, 2, 2
+    a.ceiling_prompts, a.ceiling_steps = 8, 10
+  config, params, tok, path = _common.load_model(a)
+  heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
+  meta = {"command": "experiments/bench_specroll.py " + " ".join(argv or sys.argv[1:]),
+          "cpu": _common.cpu_model(), "jax": jax.__version__,
+          "device": jax.devices()[0].device_kind, "model": str(path)}
+  res = {"meta": meta, "defaults": [], "shift": None}
+  out = Path(a.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  save = lambda: out.write_text(json.dumps(res, indent=1, default=str))
+  if "defaults" in a.parts:
+    for task in a.tasks:
+      for t in a.temperatures:
+        res["defaults"].append(part1(a, config, params, tok, heads, task, t))
+        save()
+  if "shift" in a.parts:
+    res["shift"] = part2(a, config, params, tok, path, heads)
+    save()
+  _print(res, a)
+  _plot(res, out.with_suffix(".png"))
+  print(f"wrote {out} and {out.with_suffix('.png')}")
+  return res
+
+
+def _print(res, a):
+  from rich.console import Console
+  from rich.table import Table
+  con = Console(width=200)
+  t = Table(title=f"SpecRoll's defaults vs the compacting vanilla engine: {a.prompts} test prompts "
+                  f"x G = {a.group} ({res['meta']['cpu']}; compile apart)")
+  for c in ("task", "T", "engine", "mode / nodes", "tau", "tau of verified trees", "depth-1",
+            "seconds", "vs vanilla", "compile s", "identical"):
+    t.add_column(c)
+  for block in res["defaults"]:
+    for r in block["rows"]:
+      fmt = lambda k, f="{:.3f}", r=r: "-" if r.get(k) is None else f.format(r[k])
+      t.add_row(block["task"], str(block["temperature"]), r["engine"],
+                f"{r.get('mode', '-')} {r.get('nodes', '')}", fmt("tau"), fmt("probe_tau"),
+                fmt("depth1"), fmt("seconds"), fmt("vs_vanilla", "{:.2f}x"),
+                fmt("compile_s", "{:.1f}"), str(r["identical"]))
+  con.print(t)
+  if res["shift"]:
+    s = Table(title=f"Task shift (heads for the synthetic task, GSM8K prompts, T = 1, "
+                    f"{res['shift']['batch_rows']}-row batches): tau per batch")
+    s.add_column("batch")
+    curves = res["shift"]["curves"]
+    for k in curves:
+      s.add_column(k)
+    for b in range(len(next(iter(curves.values())))):
+      s.add_row(str(b), *(f"{curves[k][b]['tau']:.3f}" for k in curves))
+    con.print(s)
+
+
+def _plot(res, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(1, 2, figsize=(13, 4.5))
+  labels, ratio, tau = [], [], []
+  for block in res["defaults"]:
+    for r in block["rows"][1:]:
+      labels.append(f"{block['task']} T={block['temperature']}\n{r['engine']}")
+      ratio.append(r["vs_vanilla"])
+      tau.append(r["probe_tau"] or r["tau"])
+  y = np.arange(len(labels))
+  ax[0].barh(y - 0.2, ratio, 0.4, label="wall-clock vs compacting vanilla")
+  ax[0].barh(y + 0.2, tau, 0.4, label="tau of verified trees")
+  ax[0].axvline(1.0, color="grey", lw=0.8)
+  ax[0].set_yticks(y, labels, fontsize=6)
+  ax[0].legend(fontsize=7)
+  if res["shift"]:
+    for k, v in res["shift"]["curves"].items():
+      ax[1].plot([x["tau"] for x in v], "o-", label=k)
+    ax[1].set_xlabel("GSM8K batch")
+    ax[1].set_ylabel("tau")
+    ax[1].set_title("heads fitted for the synthetic task, rollouts of GSM8K")
+    ax[1].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+  main()
