@@ -30,7 +30,8 @@ def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
     r = rollout.generate(config, params, toks, prompt_lengths=ln, sampling=rule, seed=seed,
                          max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids,
                          sample_ids=np.arange(i, i + len(toks)),
-                         cache_length=padded.shape[1] + max_new_tokens)
+                         options=rollout.DecodeOptions(
+                             cache_length=padded.shape[1] + max_new_tokens))
     out, out_lens = np.asarray(r.tokens), np.asarray(r.lengths)
     for row, e in enumerate(exs[sl]):
       text = tok.decode(out[row, : out_lens[row]].tolist())

@@ -79,10 +79,10 @@ def self_rollouts(config, params, tok: Tokenizer, *, num_prompts: int, max_new_t
   for i in range(0, num_prompts, chunk):
     r = rollout.generate(config, params, padded[i:i + chunk], prompt_lengths=plens[i:i + chunk],
                          sampling=sampling, max_new_tokens=max_new_tokens, seed=seed,
-                         cache_length=padded.shape[1] + max_new_tokens,
                          sample_ids=np.arange(i, min(i + chunk, num_prompts)),
-                         eos_ids=tok.eos_ids, return_hidden=True,
-                         bucket_fractions=bucket_fractions)
+                         eos_ids=tok.eos_ids, options=rollout.DecodeOptions(
+                             cache_length=padded.shape[1] + max_new_tokens, return_hidden=True,
+                             bucket_fractions=bucket_fractions))
     toks.append(np.asarray(r.tokens))
     lens.append(np.asarray(r.lengths))
     hid.append(np.asarray(r.hidden))

@@ -37,9 +37,10 @@ from specroll_jax.sampling import SamplingConfig
 from specroll_jax.speculative import speculative_rollout
 from specroll_jax.vanilla import vanilla_rollout
 
-__all__ = ["DecodeSettings", "Kernels", "PreparedBatch", "PromptBatch", "Rollout", "RolloutStats",
-           "SamplingConfig", "SpecConfig", "SpecEngine", "SpecStats", "VanillaEngine", "generate",
-           "pad_prompts", "prepare_batch", "speculative_rollout", "vanilla_rollout"]
+__all__ = ["DecodeOptions", "DecodeSettings", "Kernels", "PreparedBatch", "PromptBatch", "Rollout",
+           "RolloutStats", "SamplingConfig", "SpecConfig", "SpecEngine", "SpecStats", "Speculation",
+           "VanillaEngine", "generate", "pad_prompts", "prepare_batch", "speculative_rollout",
+           "vanilla_rollout"]
 
 PROMPT_BUCKET = 16  # prompt widths are padded up to a multiple of this (fewer recompiles)
 
@@ -269,42 +270,136 @@ def check_adaptation(adaptation, *, heads=None, proposer=None, proposer_params=N
                      "proposer_params= with it")
 
 
+@dataclasses.dataclass(frozen=True)
+class Speculation:
+  """The one way ``generate`` chooses a proposer: the proposer (settings), its parameters and the
+  speculative engine's ``SpecConfig``. ``Speculation.of_heads(heads)`` is the static-heads
+  shorthand (``HeadsProposer`` for Medusa heads, ``RankedHeads`` for root-conditioned ones). For
+  GRPO batches with adaptation, calibration and goodput budgets, use ``specroll_jax.SpecRoll``."""
+
+  proposer: Proposer
+  params: object
+  spec: SpecConfig = SpecConfig()
+
+  def __post_init__(self):
+    if not isinstance(self.proposer, Proposer):
+      raise ValueError(f"Speculation.proposer must be a specroll_jax.proposers.Proposer, got "
+                       f"{type(self.proposer).__name__}")
+    if self.params is None:
+      raise ValueError(f"Speculation.params is None for {type(self.proposer).__name__}(...): pass "
+                       "its parameters (() for a proposer without any)")
+    if not isinstance(self.spec, SpecConfig):
+      raise ValueError(f"Speculation.spec must be a SpecConfig, got {type(self.spec).__name__}")
+
+  @classmethod
+  def of_heads(cls, heads, spec: SpecConfig | None = None) -> Speculation:
+    spec, prop, pp = resolve_proposer(spec, heads, None, None)
+    return cls(prop, pp, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOptions:
+  """How ``generate`` decodes, besides what it samples.
+
+  kernels: "auto" (Pallas on GPU/TPU, jnp references on CPU), "reference", "pallas",
+    "pallas_interpret", or a ``Kernels``; resolved once per call. return_hidden: also return the
+    pre-norm hidden state at the anchor of each response token (what ``heads.fit_heads`` trains
+    on). on_nonfinite: "raise" (FloatingPointError naming the rows) or "flag" (rows stop; see
+    ``stats.nonfinite``); NaN/inf logits are never sampled. cache_length: KV positions per row
+    (None: the padded prompt width + max_new_tokens). pad_id: written after each response's end.
+    allow_duplicate_sample_ids: let two rows share a sample id (they then share a response).
+    bucket_fractions: the vanilla engine's row buckets (None: ``DecodeSettings``'s; the
+    speculative engine takes its buckets from ``Speculation.spec``). profile: run the speculative
+    buckets one by one from the host and report their wall-clock in ``stats.bucket_times``.
+  """
+
+  kernels: str | Kernels = "auto"
+  return_hidden: bool = False
+  on_nonfinite: str = "raise"
+  cache_length: int | None = None
+  pad_id: int = 0
+  allow_duplicate_sample_ids: bool = False
+  bucket_fractions: tuple[float, ...] | None = None
+  profile: bool = False
+
+  def __post_init__(self):
+    if self.on_nonfinite not in ("raise", "flag"):
+      raise ValueError(f"DecodeOptions.on_nonfinite must be 'raise' or 'flag', got "
+                       f"{self.on_nonfinite!r}")
+    Kernels.resolve(self.kernels)
+
+
+_OPTIONS = tuple(f.name for f in dataclasses.fields(DecodeOptions))
+_PROPOSER_WORDS = ("spec", "heads", "proposer", "proposer_params")
+
+
 def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig = _DEFAULT_SAMPLING,
              max_new_tokens: int, seed: int = 0, sample_ids=None, eos_ids=None,
-             prompt_lengths=None, cache_length: int | None = None, pad_id: int = 0,
-             spec: SpecConfig | None = None, heads=None, proposer: Proposer | None = None,
-             proposer_params=None, kernels: str | Kernels = "auto", return_hidden: bool = False,
-             on_nonfinite: str = "raise", allow_duplicate_sample_ids: bool = False,
-             profile: bool = False, adaptation=None,
-             bucket_fractions: tuple[float, ...] | None = None) -> Rollout:
-  """Sample one response per prompt from the target.
+             prompt_lengths=None, speculation: Speculation | None = None,
+             options: DecodeOptions | None = None, **deprecated) -> Rollout:
+  """Sample one response per prompt from the target: the vanilla engine, or the speculative one
+  with ``speculation`` (the same tokens).
 
   prompts: a list of token-id lists (ragged) or a padded [B, P] integer array with
     ``prompt_lengths``.
-  sample_ids: global response ids (default 0..B-1, duplicates refused unless
-    ``allow_duplicate_sample_ids``); the noise of a token depends on (seed, sample id, position,
-    token) only, so a response does not depend on its batch slot or batch mates.
+  sample_ids: global response ids (default 0..B-1, duplicates refused); the noise of a token
+    depends on (seed, sample id, position, token) only, so a response does not depend on its batch
+    slot or batch mates.
   eos_ids: ids that end a response (default: the config's); the EOS itself is part of the response.
-  proposer, proposer_params: run the speculative engine with any ``proposers.Proposer`` (same tokens
-    as vanilla). ``spec=SpecConfig(...)`` with ``heads=h`` is shorthand for
-    ``proposer=HeadsProposer(spec.num_heads, spec.topk), proposer_params=h`` for Medusa heads
-    (``heads.Heads``), and for ``RankedHeads`` (``ranked_heads_proposer``) for root-conditioned
-    heads (``cond_heads.CondHeads``).
-  kernels: "auto" (Pallas on GPU/TPU, jnp references on CPU), "reference", "pallas",
-    "pallas_interpret", or a ``Kernels``; resolved once here.
-  return_hidden: also return the pre-norm hidden state at the anchor of each response token
-    (what ``heads.fit_heads`` trains on).
-  on_nonfinite: "raise" (FloatingPointError naming the rows) or "flag" (rows stop; see
-    ``stats.nonfinite``). NaN/inf logits are never sampled.
-  profile: run the speculative buckets one by one from the host and report their wall-clock in
-    ``stats.bucket_times`` (otherwise the whole rollout is one compiled function).
-  adaptation: an ``adaptation.AdaptationState`` (heads + Reflex + slow path) to propose with; the
-    returned ``Rollout.adaptation`` is the state for the next batch and
-    ``Rollout.adaptation_report`` says what the fast and slow paths did (plain numbers).
-  bucket_fractions: the vanilla engine's row buckets (default ``DecodeSettings``'s: finished rows
-    are freed as the batch shrinks; ``(1.0,)`` keeps all rows to the end). The speculative engine
-    takes its buckets from ``spec``.
+  speculation: ``Speculation(proposer, params, spec)`` (any ``proposers.Proposer``), or
+    ``Speculation.of_heads(heads)``.
+  options: ``DecodeOptions`` (kernels, hidden states, non-finite handling, cache length, ...).
+
+  The keywords of earlier versions (``spec``, ``heads``, ``proposer``, ``proposer_params``,
+  ``adaptation`` and every ``DecodeOptions`` field) still work and warn (DeprecationWarning):
+  ``speculation=`` and ``options=`` replace them, and ``specroll_jax.SpecRoll`` replaces
+  ``adaptation=``.
   """
+  bad = sorted(set(deprecated) - set(_OPTIONS) - set(_PROPOSER_WORDS) - {"adaptation"})
+  if bad:
+    raise TypeError(f"generate() got unexpected keyword arguments {bad}")
+  legacy_opts = {k: deprecated.pop(k) for k in list(deprecated) if k in _OPTIONS}
+  if legacy_opts:
+    warnings.warn(f"generate({', '.join(f'{k}=' for k in legacy_opts)}) is deprecated: pass "
+                  "options=DecodeOptions(...)", DeprecationWarning, stacklevel=2)
+    if options is not None:
+      raise ValueError(f"pass options= or the deprecated {sorted(legacy_opts)}, not both")
+  opts = options if options is not None else DecodeOptions(**legacy_opts)
+  if not isinstance(opts, DecodeOptions):
+    raise ValueError(f"options must be a DecodeOptions, got {type(opts).__name__}")
+  adaptation = deprecated.pop("adaptation", None)
+  spec, heads, proposer, proposer_params = (deprecated.pop(k, None) for k in _PROPOSER_WORDS)
+  if adaptation is not None:
+    warnings.warn("generate(adaptation=...) is deprecated: use specroll_jax.SpecRoll (its state "
+                  "carries the heads, Reflex and the slow path)", DeprecationWarning,
+                  stacklevel=2)
+    check_adaptation(adaptation, heads=heads, proposer=proposer, proposer_params=proposer_params)
+  elif any(x is not None for x in (spec, heads, proposer, proposer_params)):
+    warnings.warn("generate(spec=, heads=, proposer=, proposer_params=) is deprecated: pass "
+                  "speculation=Speculation(proposer, params, spec) or Speculation.of_heads(heads)",
+                  DeprecationWarning, stacklevel=2)
+    if speculation is not None:
+      raise ValueError("pass speculation= or the deprecated spec=/heads=/proposer=, not both")
+    spec, proposer, proposer_params = resolve_proposer(spec, heads, proposer, proposer_params)
+    if proposer is not None:
+      speculation = Speculation(proposer, proposer_params, spec)
+  if speculation is not None and not isinstance(speculation, Speculation):
+    raise ValueError(f"speculation must be a Speculation, got {type(speculation).__name__}")
+  if speculation is not None and adaptation is not None:
+    raise ValueError("adaptation= brings its own proposer; do not pass speculation= with it")
+  return _generate(config, params, prompts, sampling, max_new_tokens, seed, sample_ids, eos_ids,
+                   prompt_lengths, speculation, opts, adaptation, spec)
+
+
+def _generate(config, params, prompts, sampling, max_new_tokens, seed, sample_ids, eos_ids,
+              prompt_lengths, speculation, opts: DecodeOptions, adaptation, spec) -> Rollout:
+  kernels, return_hidden, on_nonfinite = opts.kernels, opts.return_hidden, opts.on_nonfinite
+  cache_length, pad_id, bucket_fractions = opts.cache_length, opts.pad_id, opts.bucket_fractions
+  profile, allow_duplicate_sample_ids = opts.profile, opts.allow_duplicate_sample_ids
+  proposer = proposer_params = None
+  if speculation is not None:
+    proposer, proposer_params, spec = (speculation.proposer, speculation.params,
+                                       speculation.spec)
   if not isinstance(sampling, SamplingConfig):
     raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
   if on_nonfinite not in ("raise", "flag"):
@@ -313,7 +408,7 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
   kern = Kernels.resolve(kernels)
   if adaptation is not None:
     from specroll_jax import adaptation as _adapt
-    check_adaptation(adaptation, heads=heads, proposer=proposer, proposer_params=proposer_params)
+    check_adaptation(adaptation)
     want = adaptation.config.for_sampling(sampling).slow.temperature
     if adaptation.config.slow.mode != "off" and adaptation.config.slow.temperature != want:
       raise ValueError(
@@ -322,7 +417,6 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
           "AdaptationConfig.for_sampling(sampling)")
     proposer, proposer_params = _adapt.proposer(adaptation)
     spec = spec or SpecConfig()
-  spec, proposer, proposer_params = resolve_proposer(spec, heads, proposer, proposer_params)
   if proposer is not None:
     proposer.validate(config, proposer_params)
     if bucket_fractions is not None:

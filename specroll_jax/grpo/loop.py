@@ -274,15 +274,14 @@ class Run:
       batch = self.sr.batch(prompts, sids[::g] // g)
       return self.sr.generate(params, batch, state, seed=self.run.seed)
     kw = dict(sampling=self.sampling, max_new_tokens=self.run.max_new_tokens, seed=self.run.seed,
-              sample_ids=sids, eos_ids=self.tok.eos_ids, prompt_lengths=lens,
-              cache_length=self.cache_length, kernels=self.run.kernels)
+              sample_ids=sids, eos_ids=self.tok.eos_ids, prompt_lengths=lens)
+    opts = _rollout.DecodeOptions(cache_length=self.cache_length, kernels=self.run.kernels)
     if self.run.rollout == "static-heads":
       prop, pp = self.static
-      return _rollout.generate(self.config, params, toks, spec=self.run.spec, proposer=prop,
-                               proposer_params=pp, **kw), None
-    if self.run.vanilla_buckets is not None:
-      kw["bucket_fractions"] = self.run.vanilla_buckets
-    return _rollout.generate(self.config, params, toks, **kw), None
+      return _rollout.generate(self.config, params, toks, options=opts, **kw,
+                               speculation=_rollout.Speculation(prop, pp, self.run.spec)), None
+    opts = dataclasses.replace(opts, bucket_fractions=self.run.vanilla_buckets)
+    return _rollout.generate(self.config, params, toks, options=opts, **kw), None
 
   def batch(self, step: int):
     run = self.run
