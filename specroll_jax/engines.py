@@ -34,6 +34,7 @@ from specroll_jax import vanilla as _vanilla
 from specroll_jax._fields import check_type
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.kernels import Kernels
+from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.results import Rollout
@@ -153,6 +154,24 @@ class SpecEngine:
   def jit(self, params, proposer_params, batch: PromptBatch) -> Rollout:
     """``self(params, proposer_params, batch)`` compiled once per engine and batch shape."""
     return _spec_call(self, params, proposer_params, batch)
+
+  def start(self, params, proposer_params, batch: PromptBatch) -> _spec.SpecState:
+    """The loop state after the prefill (traceable): what :meth:`steps` continues."""
+    return _spec.init_state(self.config, params, self.proposer, proposer_params, batch.tokens,
+                            batch.lengths, batch.sample_ids, batch.eos_ids, batch.seed,
+                            settings=self.settings, spec=self.spec)
+
+  def steps(self, params, proposer_params, state: _spec.SpecState, batch: PromptBatch, *,
+            count: int) -> _spec.SpecState:
+    """``count`` (static) speculative steps of every slot in the first bucket, whatever is
+    active (traceable): the unit of work ``goodput.measure_cost`` times."""
+    params = _dec.unstack_layers(params)
+    (rows, n), = _spec.bucket_shapes(self.spec, self.proposer, batch.tokens.shape[0])[:1]
+    del rows
+    body = lambda _, s: _spec.spec_step(self.config, params, self.proposer, proposer_params, s,
+                                        batch.eos_ids, batch.seed, settings=self.settings,
+                                        num_nodes=n, bucket=0)
+    return jax.lax.fori_loop(0, count, body, state)
 
 
 @functools.partial(jax.jit, static_argnums=0)

@@ -20,6 +20,7 @@ cost(R, n); where no tree pays, n = 0 (the plain decode step). Shapes stay stati
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import platform
@@ -167,7 +168,7 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
   (default ``<cache>/cost``) under a key of everything the timing depends on (model config,
   proposer settings, decode settings, shapes, jax version, device and CPU model)."""
   from specroll_jax import cache as _cache
-  from specroll_jax import speculative as _spec
+  from specroll_jax.engines import PromptBatch, SpecEngine
   from specroll_jax.progress import progress_iter
   rows = tuple(sorted({int(r) for r in rows}, reverse=True))
   node_counts = tuple(sorted({0, *(int(n) for n in node_counts)}))
@@ -181,31 +182,25 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
   if lengths.shape != (len(prompts),) or (lengths < 1).any() or (lengths > prompts.shape[1]).any():
     raise ValueError(f"prompt_lengths must be [{len(prompts)}] ints in [1, {prompts.shape[1]}], "
                      f"got {lengths}")
-  eos = jnp.asarray([-1], jnp.int32)
-  seed = jnp.uint32(0)
   table = np.zeros((len(rows), len(node_counts)))
   grid = [(i, j) for i in range(len(rows)) for j in range(len(node_counts))]
+  started = {}  # rows -> (batch, the state after the prefill): the same for every n
   for i, j in progress_iter(grid, "measure step cost", enabled=progress):
     r, n = rows[i], node_counts[j]
-    sel = np.arange(r) % len(prompts)
-    spec = SpecConfig(bucket_fractions=(1.0,), nodes=(n,))
-    args = (jnp.asarray(prompts[sel]), jnp.asarray(lengths[sel]),
-            jnp.arange(r, dtype=jnp.int32), eos, seed)
-    state = _spec.init_state(config, params, proposer, proposer_params, *args, settings=settings,
-                             spec=spec)
-
-    @jax.jit
-    def loop(st, pp, n=n):
-      up = _spec._dec.unstack_layers(params)
-      body = lambda _, s: _spec.spec_step(config, up, proposer, pp, s, eos, seed,
-                                          settings=settings, num_nodes=n, bucket=0)
-      return jax.lax.fori_loop(0, steps, body, st)
-
-    jax.block_until_ready(loop(state, proposer_params))  # compile
+    engine = SpecEngine(config, settings, proposer, SpecConfig(bucket_fractions=(1.0,), nodes=(n,)))
+    if r not in started:
+      sel = np.arange(r) % len(prompts)
+      batch = PromptBatch(tokens=jnp.asarray(prompts[sel]), lengths=jnp.asarray(lengths[sel]),
+                          sample_ids=jnp.arange(r, dtype=jnp.int32),
+                          eos_ids=jnp.asarray([-1], jnp.int32), seed=jnp.uint32(0))
+      started[r] = batch, jax.jit(engine.start)(params, proposer_params, batch)
+    batch, state = started[r]
+    loop = jax.jit(functools.partial(engine.steps, count=steps))
+    jax.block_until_ready(loop(params, proposer_params, state, batch))  # compile
     times = []
     for _ in range(repeats):
       t0 = time.perf_counter()
-      jax.block_until_ready(loop(state, proposer_params))
+      jax.block_until_ready(loop(params, proposer_params, state, batch))
       times.append((time.perf_counter() - t0) / steps)
     table[i, j] = float(np.median(times))
   from specroll_jax import _machine
