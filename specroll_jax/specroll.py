@@ -35,21 +35,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
 
 from specroll_jax import adaptation as _adapt
 from specroll_jax import calibration as _cal
 from specroll_jax import distributed, head_kinds
 from specroll_jax import executables as _exe
 from specroll_jax import goodput as _goodput
-from specroll_jax import reflex as _reflex
-from specroll_jax import slow_path as _slow
+from specroll_jax import specroll_fold as _fold
 from specroll_jax import store as _store
-from specroll_jax import trainer_records as _trainer_records
 from specroll_jax._fields import check_int, check_type
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import SpecEngine, VanillaEngine, check_seed
@@ -59,17 +55,24 @@ from specroll_jax.proposers import (
   GroupLookup,
   Merged,
   MergedReflex,
-  MergedReflexStats,
   Proposer,
   RankedHeads,
 )
-from specroll_jax.proposers.ranked import RankedProposer, TreeStats
+from specroll_jax.proposers.ranked import RankedProposer
 from specroll_jax.reflex import ReflexConfig
-from specroll_jax.reports import SlowReport, SpecRollReport
 from specroll_jax.results import Rollout
 from specroll_jax.rollout import PreparedBatch, prepare_batch
 from specroll_jax.sampling import SamplingConfig, group_sample_ids
 from specroll_jax.slow_path import SlowPathConfig
+from specroll_jax.specroll_state import (
+  GroupBatch,
+  Mapped,
+  Plan,
+  SpecRollState,
+  head_rows,
+  place,
+  with_table,
+)
 
 PyTree = Any
 
@@ -81,82 +84,6 @@ DEFAULT_REFLEX = ReflexConfig(conditioned=True, record_capacity=0, sleep_batches
                               sleep_max_batches=24)
 BUDGETS = ("goodput", "fixed")
 MIN_PROMPT_WIDTH = 32  # prompts pad to a power of two at least this wide: few shapes, few compiles
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupBatch:
-  """P prompts in GRPO shape: each prompt's G rows (prompt-major), sample id = prompt id * G +
-  member (``sampling.group_sample_ids``). ``rows``: the validated, padded rows."""
-
-  rows: PreparedBatch
-  prompt_ids: np.ndarray  # [P] int
-  group_size: int
-
-  @property
-  def tokens(self) -> np.ndarray:
-    """[P * G, W] right-padded prompt tokens of every row."""
-    return self.rows.tokens
-
-  @property
-  def lengths(self) -> np.ndarray:
-    return self.rows.lengths
-
-  @property
-  def sample_ids(self) -> np.ndarray:
-    return self.rows.sample_ids
-
-  @property
-  def row_prompt_ids(self) -> np.ndarray:
-    return np.repeat(self.prompt_ids, self.group_size)
-
-  def row_prompts(self, rows=slice(None)) -> list[np.ndarray]:
-    """Each row's prompt tokens (unpadded), for the rows ``rows``."""
-    idx = np.arange(len(self))[rows]
-    return [self.tokens[i, : self.lengths[i]] for i in idx]
-
-  def __len__(self) -> int:
-    return int(self.rows.tokens.shape[0])
-
-
-@flax.struct.dataclass
-class SpecRollState:
-  """What outlives a rollout batch (a pytree: orbax checkpoints it as is).
-
-  adaptation: the heads, Reflex's global safety and sleep, the slow path's monitor, reservoir and
-    optimiser (None without heads). proposer_params: a custom proposer's parameters (None for the
-    default). calibration: the acceptance table of the ranked tree (None for an unranked custom
-    proposer). expected [Nr]: expected accepted nodes per row-step with the best n nodes, as
-    measured so far (what goodput weighs; zeros until a tree was verified). store: earlier
-    responses per prompt (None: no store). batches: rollout batches so far. cost: the machine's
-    measured step cost (static; measured at the first goodput batch, cached on disk). owner: the
-    fingerprint of the ``SpecRoll`` settings and model this state belongs to (static).
-  """
-
-  adaptation: _adapt.AdaptationState | None
-  proposer_params: PyTree
-  calibration: _cal.Calibration | None
-  expected: Float[Array, " Nr"]
-  store: _store.StoreState | None
-  batches: Int[Array, ""]
-  cost: _goodput.CostModel | None = flax.struct.field(pytree_node=False, default=None)
-  owner: str = flax.struct.field(pytree_node=False, default="")
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """How ``generate`` rolls out one batch (host decisions, static).
-
-  mode: "speculative" (every row through the speculative engine with ``spec``), "vanilla" (the
-  compacting vanilla engine: goodput verifies no tree) or "probe" (the first ``probe_rows`` rows
-  speculative with ``spec``, the rest vanilla). reflex: "awake", "asleep" or "off".
-  """
-
-  mode: str
-  spec: SpecConfig | None
-  proposer: Proposer | None
-  probe_rows: int
-  reflex: str
-  choice: tuple[_goodput.BucketChoice, ...] = ()
 
 
 def _owner(*parts) -> str:
@@ -325,7 +252,7 @@ class SpecRoll:
               DEFAULT_REFLEX, apply_corrections=False, conditioned=head_kinds.is_conditioned(
                   heads), num_heads=self.heads_tree.num_heads),
           slow=self.slow, records="trainer", trainer_anchors=self.records_per_batch)
-      adapt = _place(_adapt.init(acfg, heads))
+      adapt = place(_adapt.init(acfg, heads))
     prop = self._calibrated(heads)
     cal = None
     ranks = 1
@@ -446,7 +373,7 @@ class SpecRoll:
     prop = plan.proposer
     sel = slice(None) if rows is None else rows
     if self.proposer is not None:
-      return state.proposer_params if state.calibration is None else _with_table(
+      return state.proposer_params if state.calibration is None else with_table(
           state.proposer_params, state.calibration.table())
     table = state.calibration.table()
     prior = None
@@ -489,7 +416,7 @@ class SpecRoll:
       return [(self.engine(plan, rows, speculative=True), (params, pp, rows.device(seed)))]
     calls = [(self.engine(plan, rows, speculative=False), (params, rows.device(seed)))]
     if plan.mode == "probe":
-      head = _head(rows, plan.probe_rows)
+      head = head_rows(rows, plan.probe_rows)
       pp = self.proposer_params(state, batch, plan, slice(0, plan.probe_rows))
       plan.proposer.validate_batch(self.config, pp, head.tokens, head.lengths, head.sample_ids)
       calls.append((self.engine(plan, head, speculative=True), (params, pp, head.device(seed))))
@@ -501,7 +428,7 @@ class SpecRoll:
     without running any. Returns the compile seconds. ``generate`` calls it on a state's first
     batch, so later batches of the same shape compile nothing."""
     t0 = _exe.compile_seconds()
-    params = _place(params)
+    params = place(params)
     plans = [self.plan(state, batch)]
     if self.budget == "goodput":
       plans += [self.plan(state, batch, probe=False)]
@@ -524,9 +451,9 @@ class SpecRoll:
       raise ValueError(f"batch has group_size {batch.group_size}, this SpecRoll "
                        f"{self.group_size}")
     check_seed(seed)
-    params = _place(params)
+    params = place(params)
     if state.adaptation is not None:  # one placement for every call (a restored checkpoint's too)
-      state = state.replace(adaptation=_place(state.adaptation))
+      state = state.replace(adaptation=place(state.adaptation))
     c0 = _exe.compile_seconds()
     if self.budget == "goodput" and state.cost is None:
       state = state.replace(cost=self.measure_cost(params, state, batch))
@@ -554,103 +481,10 @@ class SpecRoll:
                        probe_tau=probe_tau, probe_seconds=probe_s, compile_seconds=compile_s)
 
   def update(self, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: Rollout,
-             spec: Rollout | None, seconds: float, *, seed: int = 0,
-             probe_tau: float | None = None, probe_seconds: float = 0.0,
-             compile_seconds: float = 0.0) -> tuple[Rollout, SpecRollState]:
-    """Fold a finished rollout of ``batch`` into the state (``spec``: the rollout of the rows
-    that verified trees, ``out`` itself or a probe's; None: none did): non-finite rows refused,
-    the calibration and the expected acceptance from ``spec``'s counts, Reflex's end of batch,
-    the store, the slow path on records drawn from ``out``'s hidden states. Returns (``out`` with
-    its ``report``, the new state)."""
-    t0 = time.perf_counter()
-    nf = np.asarray(out.stats.nonfinite)
-    if nf.any():
-      raise FloatingPointError(f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those "
-                               "rows were stopped")
-    stats = None if spec is None else spec.stats.spec.proposer
-    tree = stats.tree if isinstance(stats, MergedReflexStats) else stats
-    cal, expected = state.calibration, state.expected
-    if isinstance(tree, TreeStats) and cal is not None:
-      cal = cal.update((distributed.all_sum(tree.tested), distributed.all_sum(tree.hit)))
-      steps = int(distributed.all_sum(tree.row_steps))
-      if steps > 0:
-        e = distributed.all_sum(np.asarray(tree.expected, np.float64)) / steps
-        old = np.asarray(expected, np.float64)
-        w = self.calibration_decay if old[1:].any() else 0.0
-        expected = jnp.asarray(w * old + (1 - w) * e, jnp.float32)
-    adapt = state.adaptation
-    safety = ()
-    if adapt is not None:
-      glob = adapt.reflex
-      if plan.reflex == "asleep":  # (host numpy: no eager op to compile in a later batch)
-        glob = glob.replace(sleep=np.maximum(np.asarray(glob.sleep) - 1, 0).astype(np.int32))
-      elif plan.reflex == "awake" and isinstance(stats, MergedReflexStats):
-        summed = jax.tree.map(lambda x: jnp.asarray(distributed.all_sum(x)), stats.reflex)
-        glob = _reflex.end_batch(adapt.config.reflex, glob, summed)
-      adapt = adapt.replace(reflex=glob)
-      safety = tuple(float(x) for x in np.asarray(glob.safety))
-    store = state.store
-    if store is not None:
-      ptoks, plens = distributed.all_rows(batch.tokens), distributed.all_rows(batch.lengths)
-      store = _store.store_add(store, distributed.all_rows(batch.row_prompt_ids),
-                               [ptoks[i, : plens[i]] for i in range(len(plens))],
-                               distributed.all_rows(out.tokens), distributed.all_rows(out.lengths))
-    slow, counts = None, ()
-    if adapt is not None and adapt.config.slow.mode != "off" and out.hidden is not None:
-      adapt, slow, counts = self._slow_path(params, adapt, batch, out, seconds, seed)
-    acc = ()
-    if spec is not None:  # over every process's rows
-      prop = distributed.all_sum(spec.stats.spec.depth_proposed).astype(np.float64)
-      hit = distributed.all_sum(spec.stats.spec.depth_accepted)
-      acc = tuple(float(x) for x in hit / np.maximum(prop, 1))
-      if plan.mode == "probe":
-        probe_tau = _tau(spec)
-    new = state.replace(adaptation=None if adapt is None else _place(adapt.replace(
-        batches=adapt.batches + 1)), calibration=cal, expected=expected, store=store,
-                        batches=state.batches + 1)
-    if jax.process_count() > 1:
-      _check_same(new)
-    nodes = (tuple(plan.spec.nodes) if plan.mode != "vanilla" and plan.spec.nodes is not None
-             else (0,) * len(self.spec.bucket_fractions))
-    report = SpecRollReport(
-        batch=int(state.batches), mode=plan.mode, nodes=nodes,
-        tau=_tau(out), probe_tau=None if probe_tau is None else float(
-            _tau(out) if plan.mode == "speculative" else probe_tau), depth_acceptance=acc,
-        expected=tuple(float(x) for x in np.asarray(expected)), reflex=plan.reflex,
-        safety=safety, slow=slow, records=counts, rollout_seconds=float(seconds),
-        probe_seconds=float(probe_seconds), host_seconds=time.perf_counter() - t0,
-        compile_seconds=float(compile_seconds), choice=plan.choice)
-    return out.replace(report=report), new
-
-  def _slow_path(self, params, adapt, batch, out, seconds, seed):
-    """Records drawn from the rollout's anchor hidden states (every process's), then the slow
-    path's monitor and refresh (``slow_path.after_batch``); each head's acceptance is its
-    records' hit rate (the committed token among its top candidates), whatever the batch ran."""
-    cfg = adapt.config
-    key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
-    params = self.decoder_params(params)
-    recs = _trainer_records.from_hidden(
-        cfg.reflex, self.config, params, adapt.heads, out.hidden, out.tokens, out.lengths,
-        jnp.asarray(batch.lengths), sampling=self.sampling, key=key,
-        num_anchors=self.records_per_batch)
-    if jax.process_count() > 1:
-      recs = jax.tree.map(lambda x: jnp.asarray(
-          distributed.all_sum(x) if x.ndim == 1 else distributed.all_concat(x, 1)), recs)
-    valid = np.asarray(recs.valid, np.float64)
-    hit = np.asarray(recs.hit, np.float64) * valid
-    acc = np.where(valid.sum(1) > 0, hit.sum(1) / np.maximum(valid.sum(1), 1), np.nan)
-    slow, heads, rep = _slow.after_batch(cfg.slow, adapt.slow, self.config, params, adapt.heads,
-                                         recs, jnp.asarray(acc, jnp.float32), float(seconds))
-    if jax.process_count() > 1:  # the refresh's clock as the slowest process measured it
-      m = slow.monitor
-      slow = slow.replace(monitor=m.replace(**{k: jnp.float32(distributed.all_max(getattr(m, k)))
-                                               for k in ("refresh_seconds",
-                                                         "last_refresh_seconds")}))
-    report = SlowReport(decision=rep["decision"], heads=tuple(rep["heads"]),
-                        kept=tuple(rep["kept"]), rolled_back=tuple(rep["rolled_back"]),
-                        refresh_seconds=float(rep["refresh_seconds"]),
-                        compile_seconds=float(rep["compile_seconds"]))
-    return adapt.replace(slow=slow, heads=heads), report, tuple(int(c) for c in rep["records"])
+             spec: Rollout | None, seconds: float, **kw) -> tuple[Rollout, SpecRollState]:
+    """Fold a finished rollout of ``batch`` into the state (``specroll_fold.fold``): (``out``
+    with its ``report``, the new state)."""
+    return _fold.fold(self, params, state, batch, plan, out, spec, seconds, **kw)
 
   # -- goodput
 
@@ -674,67 +508,5 @@ class SpecRoll:
     return dataclasses.replace(cost, seconds=tuple(map(tuple, sec.tolist())))
 
 
-@dataclasses.dataclass(frozen=True)
-class Mapped:
-  """An engine whose parameters come through ``params_from`` inside its compiled program."""
-
-  engine: Any
-  params_from: Callable
-
-  def __call__(self, params, *rest):
-    return self.engine(self.params_from(params), *rest)
-
-
-def _with_table(params, table):
-  """A custom ranked proposer's parameters with the calibrated table (where they hold one)."""
-  if hasattr(params, "acceptance"):
-    return params.replace(acceptance=jnp.asarray(table, jnp.float32).reshape(
-        np.shape(params.acceptance)))
-  return params
-
-
-def _tau(out: Rollout) -> float:
-  """Committed tokens per row-forward over every process's rows."""
-  st = out.stats
-  return float(distributed.all_sum(st.tokens)) / max(float(distributed.all_sum(
-      st.row_forwards)), 1.0)
-
-
-def _check_same(state: SpecRollState) -> None:
-  """RuntimeError unless every process holds the same state (what all-reduced statistics and
-  shared records guarantee; a bug here would silently split the processes' proposals)."""
-  import hashlib as _h
-  d = _h.blake2b(digest_size=8)
-  for x in jax.tree.leaves(state):
-    d.update(np.ascontiguousarray(np.asarray(x)).tobytes())
-  mine = np.frombuffer(d.digest(), np.int32).copy()
-  every = np.asarray(distributed.all_rows(mine[None]))
-  if not (every == mine[None]).all():
-    raise RuntimeError("SpecRoll's state differs between processes after this batch")
-
-
-def _head(rows: PreparedBatch, k: int) -> PreparedBatch:
-  """The first ``k`` rows of a prepared batch."""
-  return PreparedBatch(rows.tokens[:k], rows.lengths[:k], rows.sample_ids[:k], rows.eos_ids,
-                       rows.cache_length)
-
-
-def _place(params):
-  """The parameters on this process's first device (one placement for every call: a parameter
-  tree that left a train step replicated over a mesh compiles no second rollout)."""
-  dev = jax.local_devices()[0]
-
-  def one(x):
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-      if not x.sharding.is_fully_replicated:
-        raise ValueError(f"a parameter of shape {x.shape} is split over several processes "
-                         f"({x.sharding}); SpecRoll decodes each process's rows on its own device "
-                         "and needs every parameter whole in every process (replicated)")
-      x = x.addressable_data(0)
-    return jax.device_put(x, dev)
-
-  return jax.tree.map(one, params)
-
-
-__all__ = ["BUDGETS", "DEFAULT_REFLEX", "GroupBatch", "Plan", "SlowReport", "SpecRoll",
-           "SpecRollReport", "SpecRollState"]
+__all__ = ["BUDGETS", "DEFAULT_REFLEX", "GroupBatch", "Mapped", "Plan", "SpecRoll",
+           "SpecRollState"]

@@ -1,0 +1,147 @@
+"""What ``SpecRoll`` folds into its state after a batch: the calibration and the expected
+acceptance (from the rows that verified trees), Reflex's end of batch, the store of earlier
+responses, the slow path on records drawn from the rollout's own hidden states; with several
+processes every figure over every process's rows, and the state checked equal everywhere."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specroll_jax import distributed
+from specroll_jax import reflex as _reflex
+from specroll_jax import slow_path as _slow
+from specroll_jax import store as _store
+from specroll_jax import trainer_records as _trainer_records
+from specroll_jax.proposers import MergedReflexStats
+from specroll_jax.proposers.ranked import TreeStats
+from specroll_jax.reports import SlowReport, SpecRollReport
+from specroll_jax.results import Rollout
+from specroll_jax.specroll_state import GroupBatch, Plan, SpecRollState, place
+
+
+def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: Rollout,
+           spec: Rollout | None, seconds: float, *, seed: int = 0,
+           probe_tau: float | None = None, probe_seconds: float = 0.0,
+           compile_seconds: float = 0.0) -> tuple[Rollout, SpecRollState]:
+  """Fold a finished rollout of ``batch`` into the state (``spec``: the rollout of the rows
+  that verified trees, ``out`` itself or a probe's; None: none did): non-finite rows refused,
+  the calibration and the expected acceptance from ``spec``'s counts, Reflex's end of batch,
+  the store, the slow path on records drawn from ``out``'s hidden states. Returns (``out`` with
+  its ``report``, the new state)."""
+  t0 = time.perf_counter()
+  nf = np.asarray(out.stats.nonfinite)
+  if nf.any():
+    raise FloatingPointError(f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those "
+                             "rows were stopped")
+  stats = None if spec is None else spec.stats.spec.proposer
+  tree = stats.tree if isinstance(stats, MergedReflexStats) else stats
+  cal, expected = state.calibration, state.expected
+  if isinstance(tree, TreeStats) and cal is not None:
+    cal = cal.update((distributed.all_sum(tree.tested), distributed.all_sum(tree.hit)))
+    steps = int(distributed.all_sum(tree.row_steps))
+    if steps > 0:
+      e = distributed.all_sum(np.asarray(tree.expected, np.float64)) / steps
+      old = np.asarray(expected, np.float64)
+      w = sr.calibration_decay if old[1:].any() else 0.0
+      expected = jnp.asarray(w * old + (1 - w) * e, jnp.float32)
+  adapt = state.adaptation
+  safety = ()
+  if adapt is not None:
+    glob = adapt.reflex
+    if plan.reflex == "asleep":  # (host numpy: no eager op to compile in a later batch)
+      glob = glob.replace(sleep=np.maximum(np.asarray(glob.sleep) - 1, 0).astype(np.int32))
+    elif plan.reflex == "awake" and isinstance(stats, MergedReflexStats):
+      summed = jax.tree.map(lambda x: jnp.asarray(distributed.all_sum(x)), stats.reflex)
+      glob = _reflex.end_batch(adapt.config.reflex, glob, summed)
+    adapt = adapt.replace(reflex=glob)
+    safety = tuple(float(x) for x in np.asarray(glob.safety))
+  store = state.store
+  if store is not None:
+    ptoks, plens = distributed.all_rows(batch.tokens), distributed.all_rows(batch.lengths)
+    store = _store.store_add(store, distributed.all_rows(batch.row_prompt_ids),
+                             [ptoks[i, : plens[i]] for i in range(len(plens))],
+                             distributed.all_rows(out.tokens), distributed.all_rows(out.lengths))
+  slow, counts = None, ()
+  if adapt is not None and adapt.config.slow.mode != "off" and out.hidden is not None:
+    adapt, slow, counts = slow_path(sr, params, adapt, batch, out, seconds, seed)
+  acc = ()
+  if spec is not None:  # over every process's rows
+    prop = distributed.all_sum(spec.stats.spec.depth_proposed).astype(np.float64)
+    hit = distributed.all_sum(spec.stats.spec.depth_accepted)
+    acc = tuple(float(x) for x in hit / np.maximum(prop, 1))
+    if plan.mode == "probe":
+      probe_tau = tau(spec)
+  new = state.replace(adaptation=None if adapt is None else place(adapt.replace(
+      batches=adapt.batches + 1)), calibration=cal, expected=expected, store=store,
+                      batches=state.batches + 1)
+  if jax.process_count() > 1:
+    check_same(new)
+  nodes = (tuple(plan.spec.nodes) if plan.mode != "vanilla" and plan.spec.nodes is not None
+           else (0,) * len(sr.spec.bucket_fractions))
+  report = SpecRollReport(
+      batch=int(state.batches), mode=plan.mode, nodes=nodes,
+      tau=tau(out), probe_tau=None if probe_tau is None else float(
+          tau(out) if plan.mode == "speculative" else probe_tau), depth_acceptance=acc,
+      expected=tuple(float(x) for x in np.asarray(expected)), reflex=plan.reflex,
+      safety=safety, slow=slow, records=counts, rollout_seconds=float(seconds),
+      probe_seconds=float(probe_seconds), host_seconds=time.perf_counter() - t0,
+      compile_seconds=float(compile_seconds), choice=plan.choice)
+  return out.replace(report=report), new
+
+def slow_path(sr, params, adapt, batch, out, seconds, seed):
+  """Records drawn from the rollout's anchor hidden states (every process's), then the slow
+  path's monitor and refresh (``slow_path.after_batch``); each head's acceptance is its
+  records' hit rate (the committed token among its top candidates), whatever the batch ran."""
+  cfg = adapt.config
+  key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
+  params = sr.decoder_params(params)
+  recs = _trainer_records.from_hidden(
+      cfg.reflex, sr.config, params, adapt.heads, out.hidden, out.tokens, out.lengths,
+      jnp.asarray(batch.lengths), sampling=sr.sampling, key=key,
+      num_anchors=sr.records_per_batch)
+  if jax.process_count() > 1:
+    recs = jax.tree.map(lambda x: jnp.asarray(
+        distributed.all_sum(x) if x.ndim == 1 else distributed.all_concat(x, 1)), recs)
+  valid = np.asarray(recs.valid, np.float64)
+  hit = np.asarray(recs.hit, np.float64) * valid
+  acc = np.where(valid.sum(1) > 0, hit.sum(1) / np.maximum(valid.sum(1), 1), np.nan)
+  slow, heads, rep = _slow.after_batch(cfg.slow, adapt.slow, sr.config, params, adapt.heads,
+                                       recs, jnp.asarray(acc, jnp.float32), float(seconds))
+  if jax.process_count() > 1:  # the refresh's clock as the slowest process measured it
+    m = slow.monitor
+    slow = slow.replace(monitor=m.replace(**{k: jnp.float32(distributed.all_max(getattr(m, k)))
+                                             for k in ("refresh_seconds",
+                                                       "last_refresh_seconds")}))
+  report = SlowReport(decision=rep["decision"], heads=tuple(rep["heads"]),
+                      kept=tuple(rep["kept"]), rolled_back=tuple(rep["rolled_back"]),
+                      refresh_seconds=float(rep["refresh_seconds"]),
+                      compile_seconds=float(rep["compile_seconds"]))
+  return adapt.replace(slow=slow, heads=heads), report, tuple(int(c) for c in rep["records"])
+
+
+def tau(out: Rollout) -> float:
+  """Committed tokens per row-forward over every process's rows."""
+  st = out.stats
+  return float(distributed.all_sum(st.tokens)) / max(float(distributed.all_sum(
+      st.row_forwards)), 1.0)
+
+
+def check_same(state: SpecRollState) -> None:
+  """RuntimeError unless every process holds the same state (what all-reduced statistics and
+  shared records guarantee; a bug here would silently split the processes' proposals)."""
+  import hashlib as _h
+  d = _h.blake2b(digest_size=8)
+  for x in jax.tree.leaves(state):
+    d.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+  mine = np.frombuffer(d.digest(), np.int32).copy()
+  every = np.asarray(distributed.all_rows(mine[None]))
+  if not (every == mine[None]).all():
+    raise RuntimeError("SpecRoll's state differs between processes after this batch")
+
+
+
+__all__ = ["check_same", "fold", "slow_path", "tau"]
