@@ -27,8 +27,9 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
          spec: Rollout | None, seconds: float, *, seed: int = 0, probe_tau: float | None = None,
          probe_seconds: float = 0.0, compile_seconds: float = 0.0
          ) -> tuple[Rollout, SpecRollState]:
-  """``sr`` (the ``SpecRoll`` object) folds a finished rollout of ``batch`` into the state (``spec``: the rollout of the rows
-  that verified trees, ``out`` itself or a probe's; None: none did): non-finite rows refused,
+  """``sr`` (the ``SpecRoll`` object) folds a finished rollout of ``batch`` into the state
+  (``spec``: the rollout of the rows that verified trees, ``out`` itself or a probe's; None: none
+  did): non-finite rows refused,
   the calibration and the expected acceptance from ``spec``'s counts, Reflex's end of batch,
   the store, the slow path on records drawn from ``out``'s hidden states. Returns (``out`` with
   its ``report``, the new state)."""
