@@ -2,7 +2,8 @@
 its rules are in ``specroll_jax.tree``; docs/design.md, "Proposers").
 
 Fixed-shape proposers: ``HeadsProposer`` (static future-token heads), ``PromptLookup`` (n-gram copy
-from the row's own prompt + response) and ``HeadsAndLookup`` (both merged into one tree). Ranked
+from the row's own prompt + response; the group lookup's search on one segment) and
+``HeadsAndLookup`` (both merged into one tree; deprecated for ``Merged``). Ranked
 proposers (``RankedProposer``: every candidate scored by its calibrated acceptance, the best kept
 within the row's budget): ``RankedHeads`` (Medusa or root-conditioned heads, expanded depth by
 depth), ``GroupLookup`` (the row's own text, its GRPO siblings' and earlier responses to the same

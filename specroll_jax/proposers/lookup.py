@@ -9,12 +9,15 @@ within [min_chain, max_chain]), so a row whose copies keep failing proposes shor
 the budget to other proposers.
 
 ``HeadsAndLookup`` merges the heads' sparse tree and the lookup chain into one tree within each
-row's budget (identical paths shared; ``tree.merge_chain``).
+row's budget (identical paths shared; ``tree.merge_chain``). It is deprecated: ``Merged`` does the
+same job with every candidate ranked by its calibrated acceptance (and the group's and earlier
+responses besides the row's own text).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 
 import flax.struct
 import jax.numpy as jnp
@@ -22,6 +25,7 @@ from jaxtyping import Array, Int
 
 from specroll_jax import tree as _tree
 from specroll_jax.proposers.base import Proposer
+from specroll_jax.proposers.group_lookup import find_continuations, own_suffix
 from specroll_jax.proposers.heads import HeadsProposer
 from specroll_jax.results import Summed
 
@@ -58,29 +62,11 @@ def find_continuation(history: Int[Array, "R S"], position: Int[Array, " R"], *,
   Returns (tokens [R, max_chain], length [R]): the continuation of the longest n with a match (n in
   [min_ngram, max_ngram]); only known tokens (positions <= L) are returned, length 0 for no match.
   """
-  r, s = history.shape
-  p = jnp.arange(s)[None]
-  pad = jnp.full((r, max_ngram + max_chain), -2, history.dtype)
-  ext = jnp.concatenate([history, pad], axis=1)  # ext[:, p + i] for p < s, i < max_ngram
-  best = jnp.full((r,), -1, jnp.int32)
-  best_n = jnp.zeros((r,), jnp.int32)
-  for n in range(max_ngram, min_ngram - 1, -1):
-    ok = (p + n <= position[:, None]) & (position[:, None] - n + 1 >= 0)
-    for i in range(n):
-      suffix_i = jnp.take_along_axis(history, jnp.clip(position - n + 1 + i, 0, s - 1)[:, None],
-                                     axis=1)
-      ok = ok & (ext[:, i:i + s] == suffix_i)
-    start = jnp.max(jnp.where(ok, p, -1), axis=1).astype(jnp.int32)
-    take = (best < 0) & (start >= 0)
-    best = jnp.where(take, start, best)
-    best_n = jnp.where(take, n, best_n)
-  first = best + best_n  # position of the first continuation token
-  j = jnp.arange(max_chain)[None]
-  idx = jnp.clip(first[:, None] + j, 0, s - 1)
-  tokens = jnp.take_along_axis(history, idx, axis=1)
-  length = jnp.where(best >= 0, jnp.clip(position - first + 1, 0, max_chain), 0)
-  tokens = jnp.where(j < length[:, None], tokens, -1)
-  return tokens, length.astype(jnp.int32)
+  suffix, known = own_suffix(history, position, max_ngram)  # the group lookup's own search
+  tokens, length, _ = find_continuations(history[:, None], (position + 1)[:, None], suffix, known,
+                                         max_ngram=max_ngram, min_ngram=min_ngram,
+                                         max_chain=max_chain)
+  return tokens[:, 0], length[:, 0]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,6 +148,11 @@ class HeadsAndLookup(Proposer):
 
   heads: HeadsProposer = HeadsProposer()
   lookup: PromptLookup = PromptLookup()
+
+  def __post_init__(self):
+    warnings.warn("HeadsAndLookup is deprecated: proposers.Merged puts the heads and the group "
+                  "lookup in one tree ranked by calibrated acceptance", DeprecationWarning,
+                  stacklevel=3)
 
   @property
   def max_depth(self) -> int:
