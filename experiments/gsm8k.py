@@ -43,13 +43,14 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import adaptation, cli, distributed, pipeline, rollout
+from specroll_jax import adaptation, cli, distributed, models, pipeline, rollout
 from specroll_jax import slow_path as SP
 from specroll_jax.data import synthetic as _synthetic
 from specroll_jax.data.tasks import TASKS, Task
 from specroll_jax.grpo import OLD_POLICIES, GRPOConfig
 from specroll_jax.grpo.loop import ROLLOUTS, Run, RunConfig, read_metrics
 from specroll_jax.kernels import CHOICES as KERNEL_CHOICES
+from specroll_jax.models import QWEN25_SHAPES
 from specroll_jax.progress import is_terminal
 from specroll_jax.specroll import DEFAULT_REFLEX
 
@@ -63,6 +64,10 @@ def parse(argv):
   ap.add_argument("--heads", default=None, help="heads .safetensors (default: shipped or fitted)")
   ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                   help="cast the model to this dtype (default: as stored)")
+  ap.add_argument("--widen", default=None, choices=sorted(QWEN25_SHAPES),
+                  help="run the model's exact function inside a Qwen2.5-shaped network of this "
+                       "size (models.widen: the real shape's weight and KV bytes, the small "
+                       "model's acceptance; its heads widened alike): what a GPU measures")
   ap.add_argument("--task", default=None, choices=list(TASKS),
                   help="training problems (default: synthetic for the embedded model, gsm8k "
                        "with --model)")
@@ -310,7 +315,7 @@ def main(argv=None):
     config, params, tok, path = pipeline.load_model(a.model, progress=is_terminal())
   except ValueError as e:
     cli.fail("--model", a.model, str(e))
-  if a.dtype is not None and a.dtype != config.dtype:
+  if a.dtype is not None and a.dtype != config.dtype and a.widen is None:
     config = config.replace(dtype=a.dtype)
     params = jax.tree.map(lambda x: x.astype(config.jnp_dtype), params)
   from specroll_jax import head_kinds
@@ -323,6 +328,10 @@ def main(argv=None):
   else:
     heads = pipeline.default_heads(config, params, tok, path, progress=is_terminal(),
                                    conditioned=True)
+  if a.widen is not None:
+    config, params, heads = models.widen(config, params, QWEN25_SHAPES[a.widen],
+                                         key=jax.random.key(a.seed), heads=heads, dtype=a.dtype)
+    print(f"widened to the Qwen2.5-{a.widen} shape (models.widen: the same function)", flush=True)
   model = (config, params, tok)
   print(f"model {path} ({config.num_layers} layers, d={config.hidden_size}, vocab "
         f"{config.vocab_size}, {config.dtype}); devices {jax.devices()}", flush=True)
