@@ -346,8 +346,8 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
   response tokens with ``anchors`` anchors; with ``preset``, then the refresh the main job runs
   on a small model as it runs it (``SlowPathConfig.for_small_models``: its reservoir of random
   valid records, its steps, the head mask an argument as in ``slow_path.after_batch``), of one
-  head and of two, and of one head in ``for_tests``' chunks of 64 records (session 34's preset:
-  the same records per step)."""
+  head and of two, and of one head in ``for_tests``' chunks of 64 records (the same records per
+  step)."""
   import jax
   import jax.numpy as jnp
 

@@ -3,13 +3,11 @@
 XLA's CPU compiler turns ``lax.top_k`` (a sort followed by a slice of its first k entries) into its
 ``TopK`` custom call only while the slice is used as it is. A further slice of the outputs (a
 shorter prefix, the k-th value) is folded into that slice, the pattern no longer matches, and the
-whole last axis is sorted: with top-k 50 sampling a rollout of the embedded model took 2.3 times
-as long on a 2-core Xeon (``experiments/bench_rollout.py --top-k 50``), and a sort over a 152k
-vocabulary costs far more. An optimization barrier between the top-k and its users
-keeps the pattern (docs/benchmarks.md, "Top-k on the CPU"). That is jax 0.10's XLA (the line
-``pip install jax`` gives on Python 3.11); jax 0.11.2's keeps a sliced top-k a TopK. There, and on
-a GPU or TPU (whose top-k is its own kernel), the barrier only keeps the outputs from fusing into
-their users (not timed).
+whole last axis is sorted, a cost that grows with the vocabulary (docs/benchmarks.md, "Top-k on
+the CPU": ``experiments/bench_rollout.py --top-k 50``). An optimization barrier between the top-k
+and its users keeps the pattern. That is jax 0.10's XLA (the line ``pip install jax`` gives on
+Python 3.11); jax 0.11.2's keeps a sliced top-k a TopK. There, and on a GPU or TPU (whose top-k is
+its own kernel), the barrier only keeps the outputs from fusing into their users (not timed).
 """
 
 from __future__ import annotations

@@ -121,9 +121,9 @@ class SpecConfig:
 
   @classmethod
   def for_cpu(cls) -> SpecConfig:
-    """CPU: a verify forward's cost grows quickly with tokens (compute-bound: N = 1 costs ~1.4x a
-    decode step, N = 4 ~2.2x; docs/benchmarks.md), so 32 nodes per forward: a full batch of 64
-    rows decodes plainly (N = 0) and the tree grows as rows finish (the long tail)."""
+    """CPU: a verify forward is compute-bound, its cost growing with every token it holds
+    (docs/benchmarks.md, "The engine around proposers"), so 32 nodes per forward: a full batch of
+    64 rows decodes plainly (N = 0) and the tree grows as rows finish (the long tail)."""
     return cls(node_budget=32)
 
   @classmethod

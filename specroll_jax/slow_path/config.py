@@ -90,11 +90,10 @@ class SlowPathConfig:
     the head's softmax over each record's support S alone (at most 2 top + 1 + C ids; the
     record's p is already renormalised on S), so a step needs |S| unembedding rows per record
     instead of the V x D unembedding: V / |S| times less unembedding work (50 on the embedded
-    model, 3700 over Qwen's vocabulary; the head's own work stays). Measured, a refresh costs
-    ten times less at the Qwen2.5-1.5B shape and a fifth less on the embedded model
-    (docs/benchmarks.md, session 34). Mass the head puts off the support is not
-    trained; the guard still judges every refresh over the full vocabulary (held-out CE with the
-    tail bucket, and TV), so a refresh that moved mass off the support is rolled back.
+    model, 3700 over Qwen's vocabulary; the head's own work stays; docs/benchmarks.md, "The slow
+    path's host work"). Mass the head puts off the support is not trained; the guard still
+    judges every refresh over the full vocabulary (held-out CE with the tail bucket, and TV), so
+    a refresh that moved mass off the support is rolled back.
   """
 
   mode: str = "degradation"
@@ -193,19 +192,16 @@ class SlowPathConfig:
   def for_small_models(cls, **kw) -> SlowPathConfig:
     """:meth:`for_tests`' windows with the settings the GRPO drift replay tuned for the embedded
     2M-parameter model's heads (``experiments/bench_adaptation.py``'s defaults; docs/benchmarks.md,
-    "SpecRoll on real GRPO drift", session 23): AdamW at 1e-3 (the default 1e-5 is for the heads of
-    a 1.5B-parameter model), 1536 records per head of three, 10 steps per refresh, a check every
+    "SpecRoll on real GRPO drift"): AdamW at 1e-3 (the default 1e-5 is for the heads of a
+    1.5B-parameter model), 1536 records per head of three, 10 steps per refresh, a check every
     batch at z > 0.5 after 6 calibration batches, and a 5% budget for the scheduled mode. Each
-    refresh step reads half the reservoir (``step_chunks=2`` of 4 chunks, every other slot): on
-    the replay it kept the full-batch steps' recovery (74.3%) at half their refresh time (session
-    32). The chunks hold 384 records (``chunk_size``; :meth:`for_tests`' 64 cost the root-
-    conditioned heads' refresh 1.8 times the time in control flow and small matmuls, session 35;
-    with the support-only objective a chunk's logits are [K, 384, 41], not [K, 384, V]). A firing
-    refreshes the heads degraded at that check (``refresh_selection="degraded"``): on the
-    replay's 128-row batches that lifted recovery from 44.7% to 65.0% (session 33). The refresh
-    trains on each record's support alone (``refresh_vocab="support"``): on the replay the same
-    refreshes at a fifth less refresh time, recovery 64.8% (65.0%) on 128-row batches and 72.0%
-    (74.5%) on 32-row ones (session 34)."""
+    refresh step reads half the reservoir (``step_chunks=2`` of 4 chunks, every other slot), in
+    chunks of 384 records (``chunk_size``: fewer, larger matmuls and less per-chunk control flow
+    than :meth:`for_tests`' 64; with the support-only objective a chunk's logits are
+    [K, 384, 41], not [K, 384, V]). A firing refreshes every head degraded at that check
+    (``refresh_selection="degraded"``), so a head one check short of patience does not wait out
+    the cooldown. The refresh trains on each record's support alone (``refresh_vocab="support"``;
+    docs/benchmarks.md, "The slow path's host work")."""
     base = dict(learning_rate=1e-3, reservoir_size=4608, refresh_steps=10, scheduled_steps=10,
                 check_every=1, z_threshold=0.5, calibration_batches=6, time_budget=0.05,
                 chunk_size=384, step_chunks=2, refresh_selection="degraded",
