@@ -385,3 +385,94 @@ def test_prompt_wider_than_position_limit(model):
       "prompt width 32 (max_prompt_length=16, longest prompt 31 tokens) + "
       "max_tokens_to_generate=12 exceeds our max_position_embeddings 40")):
     b.generate(["x" * 30], RC)
+
+
+# --- (6) a Hugging Face folder in tunix: tunix_qwen2_from_pretrained, experiments/tunix_grpo.py ---
+
+# the example's --quick rollout settings: the vanilla program decoded here is the one its final
+# check compiles (jax's persistent compilation cache, set in conftest, serves it the second time)
+EMBEDDED_RC = base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=64,
+                                         temperature=1.0, top_p=1.0, top_k=None, seed=0)
+
+
+def test_qwen2_from_pretrained_is_our_model(tmp_path):
+  """tunix's Qwen2 built from the embedded model's folder: our config, our decoder's logits, and
+  SpecRollRollout on it (the folder's tokenizer through transformers) decodes the tokens of
+  ``rollout.generate`` on our parameters for the same sample ids and seed."""
+  import json
+  import shutil
+
+  from transformers import AutoTokenizer
+
+  from specroll_jax import models, pipeline, rollout
+  from specroll_jax.data import gsm8k
+  from specroll_jax.data.tasks import Task
+
+  path = pipeline.default_model_path(progress=False)
+  m = sr.tunix_qwen2_from_pretrained(path)
+  config, params = models.load_pretrained(path)
+  assert sr.model_config_from_tunix(m) == config.replace(
+      max_position_embeddings=32768, eos_token_ids=(), bos_token_id=None)
+  b, t = 2, 13
+  toks = jax.random.randint(jax.random.key(7), (b, t), 0, config.vocab_size)
+  pos = jnp.broadcast_to(jnp.arange(t), (b, t))
+  mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  theirs, _ = m(toks, pos, None, mask)
+  ours = decoder.forward(config, params, toks, kernels="reference")
+  assert float(jnp.std(theirs)) > 0.5
+  np.testing.assert_allclose(np.asarray(ours), np.asarray(theirs), atol=ATOL, rtol=0)
+
+  tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+  questions = [gsm8k.format_prompt(e.question)
+               for e in Task(name="synthetic", level=0, train_size=2).examples("train")]
+  prompts = list(np.repeat(questions, 2))  # tunix's layout, G = 2
+  out = sr.SpecRollRollout(m, tok, rollout_config=EMBEDDED_RC, num_generations=2).generate(
+      prompts, EMBEDDED_RC)
+  eos = tok.eos_token_id
+  ref = rollout.generate(config, params, [tok.encode(p) for p in prompts],
+                         sampling=sr.sampling_from_rollout_config(EMBEDDED_RC),
+                         max_new_tokens=16, seed=0, sample_ids=np.arange(4), eos_ids=[eos])
+  want = [r[:n - int(n > 0 and r[n - 1] == eos)]  # the engine cuts a sampled EOS
+          for r, n in zip(np.asarray(ref.tokens), np.asarray(ref.lengths), strict=True)]
+  assert _same(out.tokens, want) and sum(len(x) for x in want) > 8
+  for got, r, n in zip(out.logprobs, np.asarray(ref.logprobs), map(len, want), strict=True):
+    np.testing.assert_allclose(got, r[:n], atol=ATOL, rtol=0)
+
+  # refused: a folder that is not Qwen2, missing files, a dtype outside our limits
+  hf = json.loads((path / "config.json").read_text())
+  llama = tmp_path / "llama"
+  llama.mkdir()
+  (llama / "config.json").write_text(json.dumps(
+      {**hf, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}))
+  with pytest.raises(ValueError, match=re.escape("ModelConfig.architecture='llama' (qkv_bias="
+                                                 "False) is not Qwen2")):
+    sr.tunix_qwen2_from_pretrained(llama)
+  bare = tmp_path / "bare"
+  bare.mkdir()
+  with pytest.raises(ValueError, match="config.json not found"):
+    sr.tunix_qwen2_from_pretrained(bare)
+  shutil.copy(path / "config.json", bare / "config.json")
+  with pytest.raises(ValueError, match="no model.safetensors or model.safetensors.index.json"):
+    sr.tunix_qwen2_from_pretrained(bare)
+  with pytest.raises(ValueError, match="is not a folder"):
+    sr.tunix_qwen2_from_pretrained(tmp_path / "absent")
+  with pytest.raises(ValueError, match=re.escape("dtype=int32 is outside our limits")):
+    sr.tunix_qwen2_from_pretrained(path, dtype=jnp.int32)
+  with pytest.raises(ValueError, match=re.escape("ModelConfig.rope_scaling=(('factor', 8.0),): "
+                                                 "tunix's Qwen2 applies no rope scaling")):
+    sr.tunix_qwen2_config(config.replace(rope_scaling=(("factor", 8.0),)))
+  bf16 = sr.tunix_qwen2_config(config, dtype="bfloat16")
+  assert bf16.dtype == bf16.param_dtype == jnp.bfloat16 and bf16.use_tied_embedding
+
+
+def test_tunix_grpo_example_quick(tmp_path, capsys):
+  """experiments/tunix_grpo.py --quick: tunix's GRPOLearner on the embedded model with SpecRoll
+  rollouts (shipped heads), two steps; its first batch decoded again by the vanilla engine gives
+  identical tokens (main exits 1 otherwise)."""
+  from conftest import load_script
+
+  res = load_script("tunix_grpo.py").main(["--quick", "--out", str(tmp_path / "run.json")])
+  assert res["first_step_identical"] and [s["step"] for s in res["steps"]] == [1, 2]
+  assert all(s["mode"] == "speculative" and s["tau"] > 1.0 for s in res["steps"])
+  printed = capsys.readouterr().out
+  assert "step 2  reward_mean" in printed and "identical tokens" in printed

@@ -675,3 +675,101 @@ class SpecRollRollout(base_rollout.BaseRollout):
       texts.append(self._tokenizer.decode(t.tolist()))
     return base_rollout.RolloutOutput(text=texts, logits=[], tokens=tokens,
                                       left_padded_prompt_tokens=left, logprobs=logprobs)
+
+
+# ---------------------------------------------------------------------------------------------
+# A Hugging Face folder -> tunix's Qwen2 (the inverse of tunix_source / params_from_tunix)
+
+
+def tunix_qwen2_config(config: ModelConfig, *, dtype=None) -> _qwen2.ModelConfig:
+  """tunix's Qwen2 ``ModelConfig`` of our ``config`` (the inverse of ``model_config_from_tunix``:
+  embed_dim = hidden_size, hidden_dim = intermediate_size, use_tied_embedding =
+  tie_word_embeddings, ...). ``dtype``: parameter and compute dtype (default: the config's).
+  ValueError naming the field tunix's Qwen2 cannot express (architecture, rope_scaling)."""
+  if config.architecture != "qwen2" or not config.qkv_bias:
+    raise ValueError(f"ModelConfig.architecture={config.architecture!r} (qkv_bias="
+                     f"{config.qkv_bias}) is not Qwen2: tunix's Qwen2 has q/k/v biases; "
+                     "supported: architecture='qwen2' with qkv_bias=True")
+  if config.rope_scaling is not None:
+    raise ValueError(f"ModelConfig.rope_scaling={config.rope_scaling!r}: tunix's Qwen2 applies no "
+                     "rope scaling; supported: None")
+  dt = jnp.dtype(_dtype_name(dtype if dtype is not None else config.dtype, "dtype"))
+  return _qwen2.ModelConfig(
+      num_layers=config.num_layers, vocab_size=config.vocab_size, embed_dim=config.hidden_size,
+      hidden_dim=config.intermediate_size, num_heads=config.num_heads, head_dim=config.head_dim,
+      num_kv_heads=config.num_kv_heads, rope_theta=config.rope_theta,
+      norm_eps=config.rms_norm_eps, use_tied_embedding=config.tie_word_embeddings, dtype=dt,
+      param_dtype=dt)
+
+
+def tunix_qwen2_params(config: ModelConfig, params) -> dict:
+  """Our parameter tree (``models.decoder``: layers stacked [Ly, ...] or a tuple of per-layer
+  dicts) as the pure dict of tunix's Qwen2 ``Param`` state: the inverse of ``params_from_tunix``
+  (attention kernels [D, N*H] -> [D, N, H] and [N*H, D] -> [N, H, D]; embedding, norms, biases,
+  MLP kernels and ``lm_head`` as they are). Values keep their dtype."""
+  d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+  stacked = params["layers"]
+  layer = ((lambda i: stacked[i]) if isinstance(stacked, (tuple, list))
+           else (lambda i: jax.tree.map(lambda a: a[i], stacked)))
+  out: dict[str, Any] = {"embedder": {"input_embedding": params["embed"]["embedding"]},
+                         "final_norm": {"w": params["final_norm"]["scale"]}, "layers": {}}
+  if not config.tie_word_embeddings:
+    out["lm_head"] = {"w": params["lm_head"]["kernel"]}
+  for i in range(config.num_layers):
+    p = layer(i)
+    out["layers"][i] = {
+        "input_layernorm": {"w": p["attn_norm"]["scale"]},
+        "attn": {"q_proj": {"w": p["q_proj"]["kernel"].reshape(d, n, h)},
+                 "k_proj": {"w": p["k_proj"]["kernel"].reshape(d, k, h)},
+                 "v_proj": {"w": p["v_proj"]["kernel"].reshape(d, k, h)},
+                 "o_proj": {"w": p["o_proj"]["kernel"].reshape(n, h, d)},
+                 "q_bias": p["q_proj"]["bias"], "k_bias": p["k_proj"]["bias"],
+                 "v_bias": p["v_proj"]["bias"]},
+        "post_attention_layernorm": {"w": p["mlp_norm"]["scale"]},
+        "mlp": {"gate_proj": {"kernel": p["gate_proj"]["kernel"]},
+                "up_proj": {"kernel": p["up_proj"]["kernel"]},
+                "down_proj": {"kernel": p["down_proj"]["kernel"]}}}
+  return out
+
+
+def tunix_qwen2_from_pretrained(path, *, dtype=None) -> _qwen2.Qwen2:
+  """tunix's ``Qwen2`` (an nnx module, what ``RLCluster`` trains and ``SpecRollRollout`` decodes)
+  holding the weights of a local Hugging Face Qwen2 folder (``config.json`` +
+  ``model.safetensors``, read by ``models.load_pretrained``; nothing is downloaded), e.g. the
+  embedded model ``pipeline.default_model_path()``. ``dtype``: parameter and compute dtype
+  (default: config.json's). The module is built abstractly (``nnx.eval_shape``: no random init)
+  and every ``Param`` then set from ``tunix_qwen2_params``, shape-checked. ValueError naming the
+  file or field: a missing or unreadable file, a model that is not Qwen2."""
+  from pathlib import Path
+
+  from specroll_jax.models import hf
+
+  if dtype is not None:
+    _dtype_name(dtype, "dtype")
+  path = Path(path)
+  if not path.is_dir():
+    raise ValueError(f"path={str(path)!r} is not a folder (expected a Hugging Face model folder "
+                     "with config.json and model.safetensors)")
+  config = hf.load_config(path)  # ValueError: config.json missing or invalid
+  try:
+    tcfg = tunix_qwen2_config(config, dtype=dtype)
+  except ValueError as e:
+    raise ValueError(f"{path / 'config.json'}: {e}") from None
+  config, params = hf.load_pretrained(path)  # ValueError naming a missing file or tensor
+  model = nnx.eval_shape(lambda: _qwen2.Qwen2(tcfg, rngs=nnx.Rngs(0)))
+  state = nnx.state(model, nnx.Param)
+  want = nnx.to_pure_dict(state)
+  got = tunix_qwen2_params(config, params)
+
+  def put(kp, spec, value):
+    if tuple(value.shape) != tuple(spec.shape):  # a mapping bug, never the user's input
+      raise ValueError(f"params: {jax.tree_util.keystr(kp)} has shape {tuple(value.shape)}, "
+                       f"expected {tuple(spec.shape)}")
+    return jnp.asarray(value, tcfg.param_dtype)
+
+  nnx.replace_by_pure_dict(state, jax.tree_util.tree_map_with_path(put, want, got))
+  nnx.update(model, state)
+  return model
+
+
+__all__ += ["tunix_qwen2_config", "tunix_qwen2_from_pretrained", "tunix_qwen2_params"]
