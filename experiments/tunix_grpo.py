@@ -101,7 +101,7 @@ def main(argv=None):
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
   cluster_config = rlc.ClusterConfig(
       role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
-      rollout_engine=engine(a.proposer, heads, a), offload_to_cpu=False, rollout_config=rc,
+      rollout_engine=engine(a.proposer, heads, a), rollout_config=rc,
       training_config=rlc.RLTrainingConfig(actor_optimizer=optax.adam(a.lr), max_steps=a.steps,
                                            eval_every_n_steps=10**9))
   cluster = rlc.RLCluster(actor=model, reference=None, tokenizer=tok, cluster_config=cluster_config)
