@@ -41,6 +41,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from specroll_jax import cli, models, pipeline, rollout  # noqa: E402
+from specroll_jax.config import SpecConfig  # noqa: E402
 from specroll_jax.data import gsm8k, tasks  # noqa: E402
 from specroll_jax.specroll import SpecRoll  # noqa: E402
 
@@ -70,8 +71,10 @@ def rollout_case(a, state, task, temperature):
     enc = lambda es: [tok.encode(gsm8k.format_prompt(e.question)) for e in es]
     sampling = rollout.SamplingConfig(temperature=temperature)
     sr = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=a.max_new_tokens)
+    if a.quick:  # the CPU smoke run: a fixed budget in one bucket (few, small programs)
+      sr = dataclasses.replace(sr, budget="fixed", spec=SpecConfig(bucket_fractions=(1.0,)))
     st = sr.init(heads)
-    if "cost" in state:  # one cost model for every temperature (a step costs the same)
+    if state.get("cost") is not None:  # one cost model for all temperatures (a step costs the same)
       st = st.replace(cost=state["cost"])
     ids = np.arange(a.prompts)
     _, st = sr.generate(params, sr.batch(enc(warm), 10_000 + ids), st, seed=1)  # compiles

@@ -26,8 +26,9 @@ class SpecRollReport:
 
   batch: the state's batch counter before it. mode: "speculative" (every row verified trees),
   "vanilla" (goodput verified none) or "probe" (vanilla, and the first groups also through the
-  speculative engine to measure acceptance). nodes: nodes per row in each bucket (0: the plain
-  step). tau: committed tokens per row-forward over the batch (1.0 for vanilla rows).
+  speculative engine to measure acceptance). nodes: nodes per row in each bucket the speculative
+  engine ran (its buckets of the batch, or the probe's one; (0,) for a vanilla batch). tau:
+  committed tokens per row-forward over the batch (1.0 for vanilla rows).
   probe_tau / depth_acceptance: tau and accepted / proposed per depth of the rows that verified
   trees (None / () when none did). expected: accepted nodes per row-step with the best n nodes,
   after this batch (what goodput weighs). reflex: "awake", "asleep", "idle" (no tree this batch)

@@ -429,11 +429,11 @@ class SpecRoll:
     batch, so later batches of the same shape compile nothing."""
     t0 = _exe.compile_seconds()
     params = place(params)
-    plans = [self.plan(state, batch)]
+    states = ("awake", "asleep") if self._has_reflex(state) else ("off",)
+    plans = [self.plan(state, batch, reflex=r) for r in states]  # (Reflex falls asleep later)
     if self.budget == "goodput":
       plans += [self.plan(state, batch, probe=False)]
-      plans += [self.plan(state, batch, probe=True, reflex=r)
-                for r in (("awake", "asleep") if self._has_reflex(state) else ("off",))]
+      plans += [self.plan(state, batch, probe=True, reflex=r) for r in states]
     for plan in plans:
       for engine, args in self._calls(params, batch, state, plan, 0):
         _exe.compiled(engine, *args)

@@ -81,8 +81,10 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
                       batches=state.batches + 1)
   if jax.process_count() > 1:
     check_same(new)
-  nodes = (tuple(plan.spec.nodes) if plan.mode != "vanilla" and plan.spec.nodes is not None
-           else (0,) * len(sr.spec.bucket_fractions))
+  nodes = (0,)  # nodes per row in each bucket that ran (the probe's one bucket for a probe)
+  if plan.mode != "vanilla":
+    rows = plan.probe_rows if plan.mode == "probe" else len(batch)
+    nodes = tuple(n for _, n in plan.spec.bucket_shapes(rows, plan.proposer.capacity))
   report = SpecRollReport(
       batch=int(state.batches), mode=plan.mode, nodes=nodes,
       tau=tau(out), probe_tau=None if probe_tau is None else float(

@@ -45,3 +45,26 @@ def test_time_guard_skips_cleanly(tmp_path):
   report = _run(tmp_path, "--interpret", "--skip-engine", "--budget-s", "0", timeout=120)
   assert report["cases"] and all("skipped" in c for c in report["cases"].values())
   assert report["summary"]["skipped"] == len(report["cases"])
+
+
+DEVICE_RUN = SCRIPT.with_name("device_run.py")
+
+
+@pytest.mark.slow  # the engine against the references, then SpecRoll on a small widening
+def test_device_run_smoke_on_cpu(tmp_path):
+  """experiments/device_run.py --quick: every case runs on the CPU (a tiny widening of the
+  embedded model), SpecRoll's rows commit the vanilla tokens, and the JSON holds every case."""
+  proc = subprocess.run([sys.executable, str(DEVICE_RUN), "--quick", "--out", str(tmp_path),
+                         "--budget-s", "3000"],
+                        capture_output=True, text=True, timeout=1200,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  report = json.loads((tmp_path / "device_run.json").read_text())
+  cases = report["cases"]
+  errors = {k: v["error"] for k, v in cases.items() if "error" in v}
+  assert not errors, errors
+  rows = {k: c["result"] for k, c in cases.items() if k.startswith("rollout/")}
+  assert set(rows) == {"rollout/synthetic_T1.0", "rollout/gsm8k_T1.0"}
+  for r in rows.values():
+    assert r["identical"] and r["tau"] > 1.0 and r["mode"] == "speculative"
+  assert report["summary"]["error"] == 0 and report["summary"]["skipped"] == 0

@@ -56,7 +56,7 @@ def test_generate_equals_vanilla_and_carries_the_state(setup):
   np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(van.logprobs), atol=1e-4)
   r = out.report
   assert isinstance(r, SpecRollReport) and r.mode == "speculative" and r.reflex == "awake"
-  assert r.probe_tau == r.tau >= 1.0 and len(r.depth_acceptance) == 6
+  assert r.probe_tau == r.tau >= 1.0 and len(r.depth_acceptance) == 6 and r.nodes == (4,)
   assert int(st1.batches) == 1 and int(st1.adaptation.batches) == 1
   tested = np.asarray(st1.calibration.tested)
   assert tested.sum() > 0 and (np.asarray(st1.calibration.hit) <= tested).all()
