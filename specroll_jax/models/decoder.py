@@ -1,6 +1,6 @@
 """Qwen2 / Qwen2.5 / Llama-3 decoder in Flax (linen), with pure functions at the boundary.
 
-Two ways through the layers (``_layers``; layers run unrolled over per-layer weight slices):
+Two kinds of step:
 
 * :func:`step`: tokens at explicit positions with an explicit mask over [cache + new tokens],
   the cache only read. It returns the last layer's hidden states *before* the final norm (what
@@ -10,19 +10,31 @@ Two ways through the layers (``_layers``; layers run unrolled over per-layer wei
   (``prefill``, which then scatters the K/V into the cache with :func:`write_cache`), and tree
   verification (each node sees the valid cache prefix and its tree ancestors; the accepted nodes'
   K/V are committed afterwards with :func:`write_cache`).
-* :func:`append_step`: the decode step. Each token's K/V are written into the per-layer cache
-  buffers in place first, then the token attends the cache (no cache copy per step); it returns
+* :func:`append_step`: the decode step. Each token's K/V are written into the cache buffers in
+  place first, then the token attends the cache (no cache copy per step); it returns
   the hidden states and the updated cache (no logits).
 
 ``kernels`` (a :class:`specroll_jax.kernels.Kernels`, or a choice name resolved on the spot) picks
 the attention implementation. Parameters are the ``params`` collection of :class:`Decoder`
 (layers stacked on a leading axis by ``nn.scan``; ``unstack_layers`` slices them once outside a
 loop); dense kernels are stored [in, out].
+
+Two ways through the layers (:class:`LayerLoop`, docs/compile.md): unrolled over per-layer weight
+slices (one copy of the block per program part; inside a decode ``while_loop`` the slices are loop
+invariants, so no weight is copied per step) or a ``lax.scan`` over the stacked weights (one copy
+of the block, so compile time does not grow with depth; XLA on CPU copies each layer's weights out
+of the stack on every pass). Forwards without a cache (prefill, ``forward``, the trainer's
+log-probs) follow ``LayerLoop.full``; steps over a cache follow the cache's layout, which
+``init_cache`` takes from ``LayerLoop.cached``: a tuple of per-layer buffers runs unrolled, one
+stacked [B, Ly, L, Hkv, Dh] buffer runs the scan. The policy is read when a function is traced.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import math
+import os
 
 import flax.linen as nn
 import flax.struct
@@ -33,26 +45,97 @@ from jaxtyping import Array, Bool, Float, Int
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models.config import ModelConfig
 
+LAYER_LOOPS = ("unroll", "scan")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerLoop:
+  """How the decoder runs its layers: "unroll" (per-layer weight slices) or "scan" (``lax.scan``
+  over the stacked weights).
+
+  full: forwards without a KV cache (``prefill``, ``forward``, the trainer's log-probs); each runs
+  once per program, so the scan's per-layer weight copy is small next to the work on T tokens.
+  cached: the layout ``init_cache`` makes, and with it the loop of every step over that cache
+  (``append_step``, tree verification): "unroll" per-layer buffers, "scan" one stacked buffer.
+  """
+
+  full: str = "scan"
+  cached: str = "unroll"
+
+  def __post_init__(self):
+    for name in ("full", "cached"):
+      v = getattr(self, name)
+      if v not in LAYER_LOOPS:
+        raise ValueError(f"LayerLoop.{name} must be one of {LAYER_LOOPS}, got {v!r}")
+
+  @classmethod
+  def resolve(cls, loop: str | LayerLoop) -> LayerLoop:
+    """A ``LayerLoop`` from "unroll" / "scan" (both parts alike) or a ``LayerLoop`` (as is)."""
+    if isinstance(loop, LayerLoop):
+      return loop
+    if loop not in LAYER_LOOPS:
+      raise ValueError(f"layer loop must be one of {LAYER_LOOPS} or a LayerLoop, got {loop!r}")
+    return cls(full=loop, cached=loop)
+
+
+def _from_environment() -> LayerLoop:
+  name = os.environ.get("SPECROLL_LAYER_LOOP")
+  if not name:
+    return LayerLoop()
+  if name not in LAYER_LOOPS:
+    raise ValueError(f"SPECROLL_LAYER_LOOP must be one of {LAYER_LOOPS} or unset, got {name!r}")
+  return LayerLoop.resolve(name)
+
+
+_POLICY = [_from_environment()]
+
+
+def layer_loop_policy() -> LayerLoop:
+  """The current policy (``SPECROLL_LAYER_LOOP=unroll|scan`` sets both parts at import)."""
+  return _POLICY[0]
+
+
+@contextlib.contextmanager
+def layer_loop(loop: str | LayerLoop):
+  """Trace under another policy inside the ``with`` block. A program already compiled keeps the
+  loop it was traced with (``jax.jit`` caches by static arguments, not by this policy)."""
+  previous = _POLICY[0]
+  _POLICY[0] = LayerLoop.resolve(loop)
+  try:
+    yield _POLICY[0]
+  finally:
+    _POLICY[0] = previous
+
 
 @flax.struct.dataclass
 class KVCache:
-  """One K and one V buffer per layer, so a decode loop updates each in place (a stacked
-  [Ly, ...] buffer would be sliced per layer and copied on every step)."""
+  """Keys and values of the committed tokens in one of two layouts (``LayerLoop.cached``): a
+  tuple of one buffer per layer, which the unrolled loop updates in place (a stacked buffer would
+  be sliced per layer and copied on every step), or one stacked buffer per K and V with the batch
+  axis first (so compaction takes rows of every leaf alike), which the layer scan carries."""
 
-  k: tuple  # Ly x [B, L, Hkv, Dh]: keys of committed tokens (row b valid up to lengths[b])
-  v: tuple  # Ly x [B, L, Hkv, Dh]
+  k: tuple | Array  # Ly x [B, L, Hkv, Dh] or [B, Ly, L, Hkv, Dh]: row b valid up to lengths[b]
+  v: tuple | Array  # as k
   lengths: Int[Array, " B"]  # number of committed tokens per row
 
   @property
+  def is_stacked(self) -> bool:
+    return not isinstance(self.k, tuple | list)
+
+  @property
   def max_length(self) -> int:
-    return self.k[0].shape[1]
+    return self.k.shape[2] if self.is_stacked else self.k[0].shape[1]
 
   def stacked(self):
     """(k, v) as [Ly, B, L, Hkv, Dh] arrays (a copy; for inspection and tests)."""
+    if self.is_stacked:
+      return jnp.moveaxis(self.k, 1, 0), jnp.moveaxis(self.v, 1, 0)
     return jnp.stack(self.k), jnp.stack(self.v)
 
   def take_rows(self, rows: Int[Array, " R"]) -> KVCache:
     """The cache of the given batch rows (compaction into a smaller bucket)."""
+    if self.is_stacked:
+      return KVCache(k=self.k[rows], v=self.v[rows], lengths=self.lengths[rows])
     return KVCache(k=tuple(x[rows] for x in self.k), v=tuple(x[rows] for x in self.v),
                    lengths=self.lengths[rows])
 
@@ -65,19 +148,32 @@ class StepOutput:
   v_new: Float[Array, "Ly B T Hkv Dh"]
 
 
-def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=None) -> KVCache:
+def init_cache(config: ModelConfig, batch: int, max_length: int, dtype=None, *,
+               layout: str | None = None) -> KVCache:
+  """An empty cache; ``layout`` "unroll" (per-layer buffers) or "scan" (stacked), by default
+  ``LayerLoop.cached`` of the current policy."""
+  layout = layout or layer_loop_policy().cached
+  if layout not in LAYER_LOOPS:
+    raise ValueError(f"layout must be one of {LAYER_LOOPS}, got {layout!r}")
   shape = (batch, max_length, config.num_kv_heads, config.head_dim)
   dtype = dtype or config.jnp_dtype
+  lengths = jnp.zeros((batch,), jnp.int32)
+  if layout == "scan":
+    stacked = (batch, config.num_layers, *shape[1:])
+    return KVCache(k=jnp.zeros(stacked, dtype), v=jnp.zeros(stacked, dtype), lengths=lengths)
   zeros = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-  return KVCache(k=zeros(), v=zeros(), lengths=jnp.zeros((batch,), jnp.int32))
+  return KVCache(k=zeros(), v=zeros(), lengths=lengths)
 
 
-def _scatter_rows(buf, new, slots):
-  """buf [B, L, ...] <- new [B, T, ...] at slots [B, T] (out-of-range slots dropped)."""
+def _scatter_rows(buf, new, slots, layer=None):
+  """buf [B, L, ...] <- new [B, T, ...] at slots [B, T] (out-of-range slots dropped); with
+  ``layer``, buf is stacked [B, Ly, L, ...] and that layer is written; with layer ``slice(None)``,
+  new is [B, T, Ly, ...] and every layer is written."""
   b, t = slots.shape
-  slots = jnp.where(slots < 0, buf.shape[1], slots)
+  slots = jnp.where(slots < 0, buf.shape[1 if layer is None else 2], slots)
   rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  return buf.at[rows, slots].set(new.astype(buf.dtype), mode="drop")
+  index = (rows, slots) if layer is None else (rows, layer, slots)
+  return buf.at[index].set(new.astype(buf.dtype), mode="drop")
 
 
 def rms_norm(x, scale, eps: float):
@@ -125,13 +221,18 @@ class RMSNorm(nn.Module):
 
 
 class Block(nn.Module):
-  """One decoder layer. Carry: hidden [B, T, D]; scanned input: this layer's (k_cache, v_cache)."""
+  """One decoder layer. Carry: hidden [B, T, D]; scanned input: this layer's (k_cache, v_cache).
+
+  write: for the decode step, a function (k, v) -> this layer's (k_cache, v_cache) with the step's
+  K/V [B, T, Hkv, Dh] written in place (``layer_cache`` is then unused); the tokens then attend
+  the cache only.
+  """
 
   config: ModelConfig
   attention_fn: callable
 
   @nn.compact
-  def __call__(self, x, layer_cache, positions, cache_lengths, mask, append_slots=None):
+  def __call__(self, x, layer_cache, positions, cache_lengths, mask, write=None):
     c = self.config
     dt = c.jnp_dtype
     dense = functools.partial(nn.Dense, dtype=dt, param_dtype=dt,
@@ -144,15 +245,14 @@ class Block(nn.Module):
     q = rope(q.reshape(b, t, c.num_heads, c.head_dim), positions, c)
     k = rope(k.reshape(b, t, c.num_kv_heads, c.head_dim), positions, c)
     v = v.reshape(b, t, c.num_kv_heads, c.head_dim)
-    k_cache, v_cache = layer_cache
-    if append_slots is not None:
+    if write is not None:
       # Decode: write this step's K/V into the layer's cache in place first, then attend the
       # cache only (the new-token block is masked out), so no cache copy is ever needed.
-      k_cache = _scatter_rows(k_cache, k, append_slots)
-      v_cache = _scatter_rows(v_cache, v, append_slots)
+      k_cache, v_cache = write(k, v)
       attn = self.attention_fn(q, k_cache, v_cache, cache_lengths + t, k, v,
                                jnp.zeros((b, t, t), bool))
     else:
+      k_cache, v_cache = layer_cache
       attn = self.attention_fn(q, k_cache, v_cache, cache_lengths, k, v, mask)
     x = x + dense(c.hidden_size, use_bias=False, name="o_proj")(attn.reshape(b, t, -1))
     h = RMSNorm(c.rms_norm_eps, dt, name="mlp_norm")(x)
@@ -224,7 +324,7 @@ def step(config: ModelConfig, params, tokens: Int[Array, "B T"], positions: Int[
   if mask is None:
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
   if cache is None:
-    cache = init_cache(config, b, 0)
+    cache = init_cache(config, b, 0, layout=layer_loop_policy().full)
   hidden, k_new, v_new, _ = _layers(config, params, tokens, positions, cache, mask, kernels)
   logits = logits_from_hidden(config, params, hidden) if compute_logits else None
   return StepOutput(logits=logits, hidden=hidden, k_new=k_new, v_new=v_new)
@@ -246,21 +346,66 @@ def append_step(config: ModelConfig, params, tokens: Int[Array, "B T"],
 
 
 def _layers(config, params, tokens, positions, cache, mask, kernels, append_slots=None):
-  # Layers run unrolled over per-layer parameter slices (``unstack_layers``): inside a decode
-  # while_loop the slices are loop invariants, so no weight is copied per step (nn.scan would
-  # dynamic-slice every layer's weights on every iteration).
-  layers = unstack_layers(params)["layers"]
+  """(pre-norm hidden [B, T, D], the step's k, v [Ly, B, T, Hkv, Dh], cache (k, v) with the
+  step's K/V written when ``append_slots`` is given), by the loop of the cache's layout."""
   block = Block(config, _attention(kernels))
   x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
+  layers = cache.k.shape[1] if cache.is_stacked else len(cache.k)
+  if layers != config.num_layers:
+    layout = "stacked [B, Ly, L, Hkv, Dh]" if cache.is_stacked else "a tuple of per-layer buffers"
+    raise ValueError(f"cache holds K/V of {layers} layers ({layout}), the model has "
+                     f"{config.num_layers}")
+  if cache.is_stacked:
+    return _scanned(block, params, x, positions, cache, mask, append_slots)
+  # Unrolled over per-layer parameter slices (``unstack_layers``): inside a decode while_loop the
+  # slices are loop invariants, so no weight is copied per step.
+  layers = unstack_layers(params)["layers"]
   ks, vs, kc, vc = [], [], [], []
   for i, lp in enumerate(layers):
-    x, ((k, v), (ck, cv)) = block.apply({"params": lp}, x, (cache.k[i], cache.v[i]), positions,
-                                      cache.lengths, mask, append_slots)
+    layer_cache = (cache.k[i], cache.v[i])
+    write = None
+    if append_slots is not None:
+      write = lambda k, v, c=layer_cache: (_scatter_rows(c[0], k, append_slots),
+                                           _scatter_rows(c[1], v, append_slots))
+    x, ((k, v), (ck, cv)) = block.apply({"params": lp}, x, layer_cache, positions, cache.lengths,
+                                      mask, write)
     ks.append(k)
     vs.append(v)
     kc.append(ck)
     vc.append(cv)
   return x, jnp.stack(ks), jnp.stack(vs), (tuple(kc), tuple(vc))
+
+
+def _scanned(block, params, x, positions, cache, mask, append_slots):
+  """``_layers`` as one ``lax.scan`` over the stacked weights and the stacked cache. Layer i reads
+  its cache slice [B, L, Hkv, Dh]; with ``append_slots`` it first writes its new K/V into the
+  carried cache in place (only the [B, T] slots), then reads the slice."""
+  layers = params["layers"]
+  if isinstance(layers, tuple | list):  # slices of the stacked leaves: XLA folds this back
+    layers = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  n = jax.tree.leaves(layers)[0].shape[0]
+  layer = lambda buf, i: jax.lax.dynamic_index_in_dim(buf, i, 1, keepdims=False)
+
+  def body(carry, xs):
+    x, ck, cv = carry
+    lp, i = xs
+    written = {}
+
+    def write(k, v):  # write before reading, so the carried buffers are updated in place
+      written["k"] = _scatter_rows(ck, k, append_slots, layer=i)
+      written["v"] = _scatter_rows(cv, v, append_slots, layer=i)
+      return layer(written["k"], i), layer(written["v"], i)
+
+    if append_slots is None:
+      x, ((k, v), _) = block.apply({"params": lp}, x, (layer(ck, i), layer(cv, i)), positions,
+                                   cache.lengths, mask)
+    else:
+      x, ((k, v), _) = block.apply({"params": lp}, x, None, positions, cache.lengths, mask, write)
+    return (x, written.get("k", ck), written.get("v", cv)), (k, v)
+
+  (x, ck, cv), (k_new, v_new) = jax.lax.scan(body, (x, cache.k, cache.v),
+                                             (layers, jnp.arange(n, dtype=jnp.int32)))
+  return x, k_new, v_new, (ck, cv)
 
 
 def forward(config: ModelConfig, params, tokens: Int[Array, "B T"], *,
@@ -277,6 +422,10 @@ def write_cache(cache: KVCache, k_new, v_new, slots: Int[Array, "B T"]) -> KVCac
   A slot < 0 or >= the cache length is dropped (used for rejected tree nodes and padding).
   Lengths are not changed; the caller sets them.
   """
+  if cache.is_stacked:
+    every = slice(None)
+    return cache.replace(k=_scatter_rows(cache.k, jnp.moveaxis(k_new, 0, 2), slots, layer=every),
+                         v=_scatter_rows(cache.v, jnp.moveaxis(v_new, 0, 2), slots, layer=every))
   k = tuple(_scatter_rows(buf, k_new[i], slots) for i, buf in enumerate(cache.k))
   v = tuple(_scatter_rows(buf, v_new[i], slots) for i, buf in enumerate(cache.v))
   return cache.replace(k=k, v=v)
