@@ -118,7 +118,7 @@ def parse(argv):
                   help="each further awake batch that did not pay doubles the sleep, up to this "
                        "many batches (ReflexConfig.sleep_max_batches; 0: no backoff)")
   ap.add_argument("--records-per-batch", "--trainer-anchors", dest="records_per_batch", type=int,
-                  default=RunConfig().records_per_batch,
+                  default=RunConfig.records_per_batch,  # the class default: no backend query
                   help="anchors drawn per batch from the rollout's hidden states for the slow "
                        "path, records per head at most (SpecRoll.records_per_batch; "
                        "--trainer-anchors is its deprecated name)")

@@ -1,7 +1,11 @@
 """Root-conditioned heads: they read the root and the path (a different root gives different
 logits, a Medusa head does not), save/load round trip, fitting lowers the loss and beats Medusa
 heads on the same rollouts; ranked proposers (root-conditioned, Medusa, merged with the
-group-aware lookup) give the vanilla rollout token for token."""
+group-aware lookup) give the vanilla rollout token for token; the slow path's guarded refresh of
+root-conditioned heads keeps, changes and rolls back (bit for bit) exactly the heads its held-out
+evaluation says, on hand-made records and under Reflex in a rollout loop."""
+
+import functools
 
 import chex
 import jax
@@ -9,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import calibration, rollout
+from specroll_jax import calibration, models, rollout
 from specroll_jax import cond_heads as CH
 from specroll_jax import heads as H
 from specroll_jax.proposers.group_lookup import GroupLookup
@@ -144,8 +148,130 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
                                   np.asarray(getattr(explicit.stats.spec.proposer, f)))
 
 
+def _slices_equal(a, b, k) -> bool:
+  """Head k's slice (leading K axis) of every leaf of a and b equal bit for bit."""
+  return all(np.asarray(x)[k].tobytes() == np.asarray(y)[k].tobytes()
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _held_out_and_train(cfg, config, params, heads, reservoir):
+  """``slow_path.evaluate`` of the heads on the reservoir's held-out records and on the records a
+  refresh trains on (the other valid ones)."""
+  from specroll_jax import slow_path as sp
+  held = jnp.asarray(sp.holdout_slots(cfg, reservoir.capacity))[None] & reservoir.valid
+  return (sp.evaluate(cfg, config, params, heads, reservoir, held),
+          sp.evaluate(cfg, config, params, heads, reservoir, reservoir.valid & ~held))
+
+
+def _records(config, params, rollouts, capacity, source=None, support=16, candidates=4):
+  """``capacity`` slow-path records per head from the rollouts, as Reflex writes them for
+  root-conditioned heads: head i (0-based) at anchor j read tokens j..j+i (its path) and predicts
+  token j+i+1. The target distribution there is the target's own (the unembedding of hidden at
+  j+i+1) or, with ``source`` heads, their head i's; support = its top ids with the token on it."""
+  from specroll_jax.records import Records
+  tokens, lengths, hidden = rollouts
+  k = 3
+  cols = {f: [] for f in ("hidden", "path", "token", "logits")}
+  for i in range(k):
+    bb, jj = np.nonzero(np.arange(tokens.shape[1])[None] + i + 1 < lengths[:, None])
+    bb, jj = bb[:capacity], jj[:capacity]
+    path = np.full((capacity, k), -1, np.int32)
+    path[:, :i + 1] = tokens[bb[:, None], jj[:, None] + np.arange(i + 1)]
+    if source is None:
+      logits = models.logits_from_hidden(config, params, jnp.asarray(hidden[bb, jj + i + 1]))
+    else:
+      logits = CH.apply(config, params, source, jnp.asarray(hidden[bb, jj]), jnp.asarray(path))
+      logits = logits[:, i]
+    for f, v in (("hidden", hidden[bb, jj]), ("path", path), ("token", tokens[bb, jj + i + 1]),
+                 ("logits", np.asarray(logits, np.float64))):
+      cols[f].append(v)
+  h, path, token, logits = (np.stack(cols[f]) for f in ("hidden", "path", "token", "logits"))
+  p = np.exp(logits - logits.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  ids = np.argsort(-p, -1)[..., :support]
+  on = (ids == token[..., None]).any(-1)
+  ids[..., -1] = np.where(on, ids[..., -1], token)
+  mass = np.take_along_axis(p, ids, -1)
+  cands = ids[..., :candidates]
+  f32, i32 = (lambda x: jnp.asarray(x, jnp.float32)), (lambda x: jnp.asarray(x, jnp.int32))
+  return Records(hidden=f32(h), correction=f32(np.zeros_like(h)), support=i32(ids),
+                 p=f32(mass / mass.sum(-1, keepdims=True)), p_tail=f32(1 - mass.sum(-1)),
+                 token=i32(token), candidates=i32(cands),
+                 hit=jnp.asarray((cands == token[..., None]).any(-1)),
+                 tv=f32(np.zeros((k, capacity))),
+                 position=i32(np.broadcast_to(np.arange(capacity), (k, capacity))),
+                 valid=jnp.ones((k, capacity), bool), count=i32(np.full((k,), capacity)),
+                 path=i32(path))
+
+
+def test_slow_path_refresh_of_root_conditioned_heads(trained_model, rollouts):
+  """A guarded refresh of heads 0 and 2 of root-conditioned heads on records of the rollouts
+  (2 AdamW steps at 1e-2; the default 1e-5 barely moves them): its held-out CE / TV are
+  ``slow_path.evaluate``'s before and after; it kept exactly the heads the keep rule passes
+  (at least one); a kept head changed and fits the records it trained on better (CE and TV lower
+  there, as on the held-out ones); head 1 (not selected) and a rolled-back head come back with
+  their parameters and optimiser state bit for bit. Then held-out records that carry the
+  refreshed heads' own distribution: any update raises their CE and TV, so a refresh of every
+  head rolls all three back, leaving parameters and optimiser state bit-identical."""
+  from specroll_jax import records as records_lib
+  from specroll_jax import slow_path as sp
+  config, params, _ = trained_model
+  cfg = sp.SlowPathConfig.for_tests(learning_rate=1e-2)
+  ecfg = cfg.refresh_settings()  # what after_batch compiles the refresh with
+  c = cfg.per_head(3)
+  ch = CH.init(jax.random.key(1), config, 3, width=64)
+  state = sp.init(cfg, ch, support_size=16, num_candidates=4)
+  merge = jax.jit(records_lib.merge)
+  recs = _records(config, params, rollouts, c)
+  reservoir = merge(state.reservoir, recs)
+  mask = np.array([True, False, True])
+  heads, opt, res = sp.refresh_jit(ecfg, config, params, ch, state.opt_state, reservoir,
+                                   jnp.asarray(mask), jnp.int32(2))
+  res = jax.device_get(res)
+  held0, train0 = jax.device_get(_held_out_and_train(ecfg, config, params, ch, reservoir))
+  held1, train1 = jax.device_get(_held_out_and_train(ecfg, config, params, heads, reservoir))
+  assert res.trained.tolist() == mask.tolist() and res.before.n.tolist() == held0.n.tolist()
+  assert held0.n[0] > 0 and train0.n[0] > 0
+  keep = (res.after.ce <= np.float32(cfg.keep_ce_ratio) * res.before.ce) & (
+      res.after.tv < res.before.tv)
+  assert res.keep.tolist() == (mask & keep).tolist() and res.keep.any(), res
+  for k in np.flatnonzero(mask):
+    np.testing.assert_allclose([res.before.ce[k], res.before.tv[k]], [held0.ce[k], held0.tv[k]],
+                               rtol=1e-5)
+  for k in range(3):
+    if res.keep[k]:
+      np.testing.assert_allclose([res.after.ce[k], res.after.tv[k]], [held1.ce[k], held1.tv[k]],
+                                 rtol=1e-5)
+      assert held1.ce[k] < held0.ce[k] and held1.tv[k] < held0.tv[k], (k, held0, held1)
+      assert train1.ce[k] < train0.ce[k] and train1.tv[k] < train0.tv[k], (k, train0, train1)
+      assert not _slices_equal(heads, ch, k)
+    else:
+      assert _slices_equal(heads, ch, k) and _slices_equal(opt, state.opt_state, k), k
+  # rollback: training records as before, held-out ones from the refreshed heads themselves
+  held = sp.holdout_slots(cfg, c)
+  own = _records(config, params, rollouts, c, source=heads)
+  mixed = jax.tree.map(lambda a, b: np.where(held.reshape((1, c) + (1,) * (a.ndim - 2)), b, a)
+                       if a.ndim > 1 else a, recs, own)
+  back, back_opt, r = sp.refresh_jit(ecfg, config, params, heads, opt,
+                                     merge(state.reservoir, mixed), jnp.ones(3, bool),
+                                     jnp.int32(2))
+  r = jax.device_get(r)
+  assert r.trained.all() and not r.keep.any()
+  assert (r.after.ce > r.before.ce).all() and (r.after.tv > r.before.tv).all(), r
+  for k in range(3):
+    assert _slices_equal(back, heads, k) and _slices_equal(back_opt, opt, k), k
+
+
 @pytest.mark.slow  # about 20 s
 def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_prompts, fitted):
+  """Reflex and the every-batch slow path over root-conditioned heads keep the vanilla tokens,
+  and each batch's refresh did what it reports: its held-out CE / TV are ``slow_path.evaluate``'s
+  on the reservoir it read, before and after; it kept exactly the heads the keep rule passes
+  (CE <= 1.01 x before and TV lower; no held-out records: rolled back); a kept head changed and
+  fits the records it trained on better (CE and TV lower there); a rolled-back or untouched
+  head, and its optimiser state, are bit-identical to before; the counters add up. Over the two
+  batches at least one head is kept and one rolled back."""
   from specroll_jax import adaptation
   from specroll_jax.slow_path import SlowPathConfig
   config, params, tok = trained_model
@@ -160,13 +286,48 @@ def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_pro
   state = adaptation.init(acfg, ch)
   assert state.config.reflex.conditioned  # follows the heads' family
   spec = SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(4, 4))
+  scfg = state.config.slow
+  kept, rolled_back = [], []
   for _ in range(2):
     got = rollout.generate(config, params, prompts, spec=spec, adaptation=state, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
     rep = got.adaptation_report
     assert rep["reflex"]["records_matured"][0] > 0
-    assert rep["slow"]["decision"] == "every_batch"
-    state = got.adaptation
+    slow = rep["slow"]
+    assert slow["decision"] == "every_batch"
+    new = got.adaptation
+    # the refresh read the reservoir with this batch's records merged in (it does not change it)
+    ev_cfg = scfg.refresh_settings()
+    held0, train0 = jax.device_get(_held_out_and_train(ev_cfg, config, params, state.heads,
+                                                       new.slow.reservoir))
+    held1, train1 = jax.device_get(_held_out_and_train(ev_cfg, config, params, new.heads,
+                                                       new.slow.reservoir))
+    ks = slow["heads"]  # every head with training records
+    assert ks == [k for k in range(3) if train0.n[k] > 0] and ks
+    assert sorted(slow["kept"] + slow["rolled_back"]) == ks
+    f32 = np.float32
+    for i, k in enumerate(ks):
+      before = (slow["ce_before"][i], slow["tv_before"][i])
+      after = (slow["ce_after"][i], slow["tv_after"][i])
+      np.testing.assert_allclose(before, (held0.ce[k], held0.tv[k]), rtol=1e-5)  # NaN == NaN
+      keep = (f32(after[0]) <= f32(scfg.keep_ce_ratio) * f32(before[0])
+              and f32(after[1]) < f32(before[1]))
+      assert (k in slow["kept"]) == keep, (k, before, after, slow)
+      if keep:
+        np.testing.assert_allclose(after, (held1.ce[k], held1.tv[k]), rtol=1e-5)
+        assert train1.ce[k] < train0.ce[k] and train1.tv[k] < train0.tv[k], (k, train0, train1)
+        assert not _slices_equal(new.heads, state.heads, k)
+    for k in set(range(3)) - set(slow["kept"]):
+      assert _slices_equal(new.heads, state.heads, k), k
+      assert _slices_equal(new.slow.opt_state, state.slow.opt_state, k), k
+    for name, heads in (("tried", ks), ("kept", slow["kept"]),
+                        ("rolled_back", slow["rolled_back"])):
+      added = np.asarray(getattr(new.slow, name)) - np.asarray(getattr(state.slow, name))
+      np.testing.assert_array_equal(added, np.isin(np.arange(3), heads), err_msg=name)
+    kept += slow["kept"]
+    rolled_back += slow["rolled_back"]
+    state = new
+  assert kept and rolled_back, (kept, rolled_back)
   assert state.slow.reservoir.path is not None and bool(state.slow.reservoir.valid.any())
   assert int(np.asarray(state.slow.tried).sum()) > 0

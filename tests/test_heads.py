@@ -1,5 +1,9 @@
-"""Future-token heads: zero init is the identity, validation messages, SpecConfig validation,
-self-distillation labels and a fit that learns a synthetic task."""
+"""Future-token heads: zero init is exactly the target's own logits, a residual block computed by
+hand, validation messages, self-distillation labels, the loss and its first fit steps derived by
+hand on a fixed batch, a fit that learns a synthetic task, and a bit-exact save/load."""
+
+import math
+import os
 
 import chex
 import jax
@@ -31,6 +35,12 @@ def test_zero_init_is_identity(model):
   h = jax.random.normal(jax.random.PRNGKey(2), (2, 5, cfg.hidden_size))
   out = np.asarray(jax.jit(H.apply, static_argnums=0)(cfg, params, heads, h))
   assert out.shape == (2, 5, K, VOCAB) and out.dtype == np.float32
+  # SiLU(0) = 0: every head's state is h, so its logits are the target's own: bit for bit
+  # against the same (jitted) final norm and unembedding of h stacked K times (the same matmul
+  # shapes), and up to float rounding against the unstacked [.., D] matmul
+  stacked = jnp.broadcast_to(h[..., None, :], h.shape[:-1] + (K, cfg.hidden_size))
+  own = jax.jit(logits_from_hidden, static_argnums=0)(cfg, params, stacked)
+  np.testing.assert_array_equal(out, np.asarray(own))
   ref = np.asarray(logits_from_hidden(cfg, params, h))
   for k in range(K):
     np.testing.assert_allclose(out[..., k, :], ref, rtol=1e-6, atol=1e-6)
@@ -49,6 +59,36 @@ def test_random_init_is_not_identity(model):
   assert not np.allclose(out[:, 0], out[:, 1], atol=1e-4)
 
 
+def test_residual_block_by_hand():
+  """z_k = h + SiLU(RMSNorm_k(h) W_k + b_k) on D = 2, then the shared final norm and unembedding.
+  Head 1: g = [2, 0.5], W = [[1, 1], [0, 2]] ([in, out]), b = [-2, 0]; head 2: zero W and b.
+    h = [1, -1]: RMSNorm -> [2, -0.5]; @ W -> [2, 1]; + b -> [0, 1]; z = [1, -1 + sigmoid(1)]
+    h = [3, 3]:  RMSNorm -> [2, 0.5];  @ W -> [2, 3]; + b -> [0, 3]; z = [3, 3 + 3 sigmoid(3)]
+  (SiLU(x) = x sigmoid(x)); head 2 is the identity. The RMSNorm's eps = 1e-6 moves these by
+  under 1e-6."""
+  sig = lambda x: 1 / (1 + math.exp(-x))
+  cfg = ModelConfig.tiny(vocab_size=3, hidden_size=2, num_heads=1, num_kv_heads=1, head_dim=2)
+  heads = H.Heads(norm=jnp.array([[2.0, 0.5], [1.0, 1.0]]),
+                  w=jnp.array([[[1.0, 1.0], [0.0, 2.0]], [[0.0, 0.0], [0.0, 0.0]]]),
+                  b=jnp.array([[-2.0, 0.0], [0.0, 0.0]]), vocab_size=3)
+  h = jnp.array([[1.0, -1.0], [3.0, 3.0]])
+  z = np.asarray(H.head_states(cfg, heads, h))  # [2 rows, 2 heads, D]
+  want = np.array([[[1.0, -1.0 + sig(1)], [1.0, -1.0]], [[3.0, 3.0 + 3 * sig(3)], [3.0, 3.0]]])
+  np.testing.assert_allclose(z, want, rtol=0, atol=1e-6)
+  # logits through the target's final norm (unit scale) and tied unembedding E [V, D]:
+  # logits_k[v] = (z_k / rms(z_k)) . E[v]
+  emb = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, -1.0]], np.float32)
+  params = {"embed": {"embedding": jnp.asarray(emb)},
+            "final_norm": {"scale": jnp.ones((2,), jnp.float32)}}
+  logits = np.asarray(H.apply(cfg, params, heads, h))
+  assert logits.shape == (2, 2, 3)
+  unit = want / np.sqrt((want ** 2).mean(-1, keepdims=True))
+  np.testing.assert_allclose(logits, unit @ emb.T, rtol=0, atol=2e-6)
+  # the identity head's logits are the target's own
+  np.testing.assert_allclose(logits[:, 1], np.asarray(logits_from_hidden(cfg, params, h)),
+                             rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.0])
 def test_init_rejects_bad_head_count(model, bad):
   with pytest.raises(ValueError, match="num_heads"):
@@ -63,8 +103,13 @@ def test_validate_accepts_matching_heads(model):
   heads = H.init(jax.random.PRNGKey(0), cfg, K)
   for num_heads in (None, K):
     H.validate(cfg, heads, num_heads=num_heads)  # raises on any mismatch (tests below)
-  # and matching heads are usable as they are: their logits have the model's vocab
-  assert H.apply(cfg, params, heads, jnp.zeros((1, cfg.hidden_size))).shape == (1, K, VOCAB)
+  # and matching heads are usable as they are: K heads of logits over the model's vocab, at
+  # zero init the target's own (bit for bit on h stacked K times)
+  h = jax.random.normal(jax.random.PRNGKey(3), (1, cfg.hidden_size))
+  out = np.asarray(H.apply(cfg, params, heads, h))
+  assert out.shape == (1, K, VOCAB)
+  stacked = jnp.broadcast_to(h[:, None], (1, K, cfg.hidden_size))
+  np.testing.assert_array_equal(out, np.asarray(logits_from_hidden(cfg, params, stacked)))
 
 
 def test_validate_hidden_size_mismatch(model):
@@ -159,19 +204,65 @@ def test_fit_heads_learns(model):
   heads0 = H.init(jax.random.PRNGKey(1), cfg, K)
   h, labels, mask = (jnp.asarray(a) for a in H.training_examples(tokens, lengths, hidden, K))
   loss0, ce0 = H.loss_fn(cfg, params, heads0, h, labels, mask)
+  # the loss is the per-head CE weighted 0.8^(k-1), normalised: [1, 0.8, 0.64] / 2.44
+  np.testing.assert_allclose(float(loss0), np.dot([1, 0.8, 0.64], ce0) / 2.44, rtol=1e-6)
   heads, hist = H.fit_heads(cfg, params, heads0, tokens, lengths, hidden, steps=120,
                             batch_size=128, progress=False)
   assert hist.shape == (120, K) and np.all(np.isfinite(hist))
   loss1, ce1 = H.loss_fn(cfg, params, heads, h, labels, mask)
   assert float(loss1) < 0.2 * float(loss0), (loss0, loss1)
   assert np.all(np.asarray(ce1) < 0.5 * np.asarray(ce0)), (ce0, ce1)
+  # tokens are uniform over 16 ids: a head that ignored h could not beat CE = log 16; these
+  # read the next tokens off h
+  assert np.all(np.asarray(ce1) < 0.1 * math.log(16)), ce1
   assert np.all(hist[-10:].mean(0) < hist[:5].mean(0))
+  # the history is the CE of the heads on their training batches (128 of these 580 anchors):
+  # its first row that of the zero-init heads, its last rows that of the fitted ones
+  np.testing.assert_allclose(hist[0], ce0, rtol=0.1)
+  np.testing.assert_allclose(hist[-10:].mean(0), ce1, rtol=0.5)
   acc = H.head_accuracy(cfg, params, heads, tokens, lengths, hidden)
   assert acc.shape == (K,) and np.all(acc > 0.5), acc  # chance is 1/16
   # held-out rollouts (new tokens, same rule) are predicted too: it learned the rule
   acc = H.head_accuracy(cfg, params, heads, *_synthetic(cfg, seed=99, b=8))
   assert np.all(acc > 0.5), acc
   assert heads.num_heads == K and heads.vocab_size == VOCAB
+
+
+def test_fit_heads_on_a_fixed_batch(model):
+  """One rollout of length 2 has a single anchor (j = 0) with a label for head 1 only (token 1):
+  every step reads that same batch. Step 0's CE is the target's own on it (zero init), computed
+  here in float64; it falls at every step; heads 2 and 3 have no label, so a zero gradient and a
+  zero Adam step: their history is 0 and they come back bit for bit; the loss is head 1's CE x
+  1 / 2.44. Adam's first step moves every W and b entry of head 1 by the learning rate 1e-2
+  (|g| / (|g| + 1e-8)) and leaves its norm scale alone (zero W: no gradient reaches it)."""
+  cfg, params = model
+  tokens = np.array([[5, 9, 3, 1]], np.int32)
+  lengths = np.array([2], np.int32)
+  hidden = np.random.default_rng(0).normal(size=(1, 4, cfg.hidden_size)).astype(np.float32)
+  heads0 = H.init(jax.random.PRNGKey(1), cfg, K)
+  h, labels, mask = H.training_examples(tokens, lengths, hidden, K)
+  assert labels[0, 0] == 9 and mask.tolist() == [[True, False, False]]
+  logits = np.asarray(logits_from_hidden(cfg, params, jnp.asarray(hidden[0, 0])), np.float64)
+  ce_by_hand = np.log(np.exp(logits - logits.max()).sum()) + logits.max() - logits[9]
+  heads, hist = H.fit_heads(cfg, params, heads0, tokens, lengths, hidden, steps=20,
+                            batch_size=8, progress=False)
+  np.testing.assert_allclose(hist[0, 0], ce_by_hand, rtol=1e-6)
+  assert np.all(np.diff(hist[:, 0]) < 0), hist[:, 0]
+  np.testing.assert_array_equal(hist[:, 1:], 0.0)
+  for f in ("norm", "w", "b"):
+    new, old = np.asarray(getattr(heads, f)), np.asarray(getattr(heads0, f))
+    assert new[1:].tobytes() == old[1:].tobytes(), f
+    assert not np.array_equal(new[0], old[0]), f
+  loss, ce = H.loss_fn(cfg, params, heads, *(jnp.asarray(a) for a in (h, labels, mask)))
+  assert float(ce[0]) < hist[-1, 0]  # after the last step
+  np.testing.assert_array_equal(np.asarray(ce[1:]), 0.0)
+  np.testing.assert_allclose(float(loss), float(ce[0]) / 2.44, rtol=1e-6)
+  one, _ = H.fit_heads(cfg, params, heads0, tokens, lengths, hidden, steps=1, batch_size=8,
+                       progress=False)
+  np.testing.assert_array_equal(np.asarray(one.norm), np.asarray(heads0.norm))
+  for f in ("w", "b"):
+    step = np.abs(np.asarray(getattr(one, f))[0] - np.asarray(getattr(heads0, f))[0])
+    assert step.max() <= 1e-2 * (1 + 1e-6) and np.median(step) > 1e-2 * (1 - 1e-4), f
 
 
 def test_fit_heads_rejects_bad_inputs(model):
@@ -188,17 +279,24 @@ def test_fit_heads_rejects_bad_inputs(model):
                 tokens, lengths, hidden, steps=1, progress=False)
 
 
-def test_save_load_roundtrip(tmp_path):
-  import jax
-
-  from specroll_jax import heads as H
-  from specroll_jax import models
-  config = models.ModelConfig.tiny(vocab_size=64)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_save_load_roundtrip(tmp_path, dtype):
+  config = ModelConfig.tiny(vocab_size=64, dtype=dtype)
   hd = H.init(jax.random.key(3), config, 3, scale=0.1)
+  hd = hd.replace(b=hd.b.at[0, 0].set(-0.0))  # a signed zero survives too
   H.save(tmp_path / "h.safetensors", hd)
+  assert os.listdir(tmp_path) == ["h.safetensors"]  # written under a temporary name, renamed
   back = H.load(tmp_path / "h.safetensors")
   assert back.vocab_size == hd.vocab_size and back.num_heads == 3
   chex.assert_trees_all_equal(hd, back)
+  for f in ("norm", "w", "b"):  # bit for bit, in the heads' own dtype
+    a, b = getattr(hd, f), getattr(back, f)
+    assert a.dtype == b.dtype == config.jnp_dtype and a.shape == b.shape, f
+    assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), f
+  # the loaded heads compute what the saved ones did
+  h = jax.random.normal(jax.random.key(4), (5, config.hidden_size), config.jnp_dtype)
+  np.testing.assert_array_equal(np.asarray(H.head_states(config, back, h)),
+                                np.asarray(H.head_states(config, hd, h)))
 
 
 def test_load_rejects_a_file_that_is_not_heads(tmp_path):
