@@ -1,18 +1,19 @@
 # Bootstraps a virtual environment from python3 alone, then runs the main job or the tests.
 #   make run | make test                   Python 3.11 line (jax 0.10), .venv, full test extra
-#   make test-all                          make test, then the tests marked slow
+#   make test-slow                         the tests marked slow but not long (CI runs it)
+#   make test-all                          make test, then every test marked slow
 #   make test PY=python3.12 VENV=.venv312 EXTRAS=core-test TESTS="tests/test_sampling.py ..."
 PY ?= python3
 VENV ?= .venv
 EXTRAS ?= test
 TESTS ?= tests
-# the fast suite's pytest workers (pytest-xdist; whole modules per worker, so a module's fixtures
-# compile once): its time is mostly single-threaded XLA compilation, so 2 workers on 2 cores take
-# it from about 13 to under 8 minutes. WORKERS=0 runs it in one process.
+# pytest workers (pytest-xdist; whole modules per worker, so a module's fixtures compile once):
+# the suites' time is mostly single-threaded XLA compilation, so 2 workers on 2 cores take about
+# half the time of one. WORKERS=0 runs a suite in one process.
 WORKERS ?= 2
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
-.PHONY: run test test-slow test-all lint venv
+.PHONY: run test test-slow test-long test-all lint venv
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -31,11 +32,15 @@ test: $(STAMP)
 	SPECROLL_TEST_FAST_COMPILE=1 $(VENV)/bin/python -m pytest $(TESTS) -m "not slow" \
 	  -n $(WORKERS) --dist loadfile $(ARGS)
 
+# the slow set CI runs: "long" tests (pyproject.toml's markers) wait for test-all
 test-slow: $(STAMP)
-	$(VENV)/bin/python -m pytest $(TESTS) -m slow $(ARGS)
+	$(VENV)/bin/python -m pytest $(TESTS) -m "slow and not long" -n $(WORKERS) --dist loadfile $(ARGS)
 
-# everything: the fast suite, then the tests marked slow (CI runs this)
-test-all: test test-slow
+test-long: $(STAMP)
+	$(VENV)/bin/python -m pytest $(TESTS) -m long -n $(WORKERS) --dist loadfile $(ARGS)
+
+# everything: the fast suite, then every test marked slow
+test-all: test test-slow test-long
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check specroll_jax pallas_kernels experiments tests

@@ -1,4 +1,5 @@
-"""Lower and compile seconds per rollout program, layers unrolled vs scanned (docs/compile.md).
+"""Lower and compile seconds per rollout program, layers unrolled vs scanned (docs/benchmarks.md,
+"Compile time").
 
   .venv/bin/python experiments/bench_compile.py                      # embedded model (4 layers)
   .venv/bin/python experiments/bench_compile.py --layers 28 --run 3  # same function in 28 layers

@@ -41,9 +41,11 @@ TASKS = ("synthetic", "gsm8k")
 
 
 def prompts_of(tok, task: str, split: str, n: int, offset: int = 0):
-  exs = tasks.Task(name=task).examples(split)[offset:offset + n]
-  if len(exs) < n:
-    cli.fail("--prompts", n, f"{task} {split} has {len(exs) + offset} problems")
+  every = tasks.Task(name=task).examples(split)
+  if offset + n > len(every):
+    cli.fail("--prompts", n, f"{task} {split} has {len(every)} problems; this batch needs "
+             f"{offset} + {n}")
+  exs = every[offset:offset + n]
   return [tok.encode(gsm8k.format_prompt(e.question)) for e in exs]
 
 
@@ -113,7 +115,8 @@ def part2(a, config, params, tok, path, heads):
           "ceiling (heads fitted on GSM8K)": (static, static.init(ceiling))}
   curves = {k: [] for k in arms}
   for b in range(a.shift_batches):
-    ids = prompts_of(tok, "gsm8k", "train", a.shift_prompts, offset=20_000 + b * a.shift_prompts)
+    ids = prompts_of(tok, "gsm8k", "train", a.shift_prompts,  # past the ceiling's prompts
+                     offset=a.ceiling_prompts + b * a.shift_prompts)
     pids = 50_000 + b * a.shift_prompts + np.arange(a.shift_prompts)
     for name, (obj, st) in arms.items():
       out, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b)

@@ -45,6 +45,7 @@ import numpy as np
 
 from specroll_jax import adaptation, cli, distributed, models, pipeline, rollout
 from specroll_jax import slow_path as SP
+from specroll_jax.buckets import check_fractions
 from specroll_jax.data import synthetic as _synthetic
 from specroll_jax.data.tasks import TASKS, Task
 from specroll_jax.grpo import OLD_POLICIES, GRPOConfig
@@ -100,6 +101,10 @@ def parse(argv):
                   help="tree nodes per verify forward (default: the --spec preset's)")
   ap.add_argument("--spec", default="auto", choices=["auto", "cpu", "h200"],
                   help="SpecConfig preset (auto: the CPU or the GPU/TPU one, by the backend)")
+  ap.add_argument("--buckets", type=float, nargs="+", default=None, metavar="FRACTION",
+                  help="row buckets of both engines as fractions of the batch, e.g. 1.0 0.5 "
+                       "(default: the --spec preset's and the vanilla engine's). Each bucket is "
+                       "one more decode loop to compile; the tokens are the same for any buckets")
   ap.add_argument("--budget", default="goodput", choices=["goodput", "fixed"],
                   help="goodput: node counts per bucket from this machine's measured cost and the "
                        "measured acceptance; fixed: the --spec preset's budget")
@@ -172,6 +177,11 @@ def parse(argv):
     cli.fail("--top-p", a.top_p, "must be in (0, 1]")
   if a.lr is not None and not a.lr > 0:
     cli.fail("--lr", a.lr, "must be > 0")
+  if a.buckets is not None:
+    try:
+      check_fractions(a.buckets, "--buckets")
+    except ValueError as e:
+      cli.fail("--buckets", a.buckets, str(e).replace("--buckets ", "", 1))
   if not (0 <= a.clip[0] < 1 and a.clip[1] >= 0):
     cli.fail("--clip", list(a.clip), "LOW must be in [0, 1) and HIGH >= 0")
   if a.model is not None and not Path(a.model).is_dir():
@@ -220,6 +230,9 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
           "h200": rollout.SpecConfig.for_h200}[a.spec]()
   if a.node_budget is not None:
     spec = dataclasses.replace(spec, node_budget=a.node_budget)
+  buckets = None if a.buckets is None else tuple(a.buckets)
+  if buckets is not None:
+    spec = dataclasses.replace(spec, bucket_fractions=buckets)
   # the embedded model: the small-model preset (windows sized for tens of steps, the settings the
   # drift replay tuned for its heads); a real model: the library's defaults
   small = a.model is None
@@ -238,7 +251,7 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
                    rollout=rollout_kind, spec=spec, reflex=reflex, slow=slow,
                    records_per_batch=a.records_per_batch, kernels=a.kernels,
                    eval_every=a.eval_every, eval_prompts=a.eval_prompts,
-                   goodput=a.budget == "goodput")
+                   goodput=a.budget == "goodput", vanilla_buckets=buckets)
 
 
 def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[list, dict, Run]:

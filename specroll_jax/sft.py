@@ -151,11 +151,6 @@ def test_loss(config, params, tok: Tokenizer, seq_len: int, n: int = 256) -> flo
   return float(np.mean(vals))
 
 
-def default_cache_dir() -> Path:
-  """Deprecated alias of ``specroll_jax.cache.cache_dir``."""
-  return cache_dir()
-
-
 def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
                 eval_examples: int = 64) -> Path:
   """Build (tokenizer + SFT model + metrics.json) into ``path`` unless it is already there.

@@ -16,6 +16,9 @@ from specroll_jax import slow_path as SP
 from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 
+# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
+LONG = [pytest.mark.slow, pytest.mark.long]
+
 # gates opened wide (a negative LCB z passes almost any alignment) so that corrections really
 # happen within a few short rollouts: exactness must hold whatever the proposals are
 EAGER = reflex.ReflexConfig(min_obs=(2, 2, 2), min_severity=(0.05, 0.05, 0.05), stride_rows=1.0,
@@ -29,10 +32,10 @@ def _config(sampling, mode="every_batch"):
 
 
 @pytest.mark.parametrize("sampling", [
-    pytest.param(SamplingConfig(temperature=0.0), marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.0, top_k=3), marks=pytest.mark.slow),
-    SamplingConfig(temperature=1.0)], ids=str)
+    pytest.param(SamplingConfig(temperature=0.0), marks=LONG),
+    pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), marks=LONG),
+    pytest.param(SamplingConfig(temperature=1.0, top_k=3), marks=LONG),
+    pytest.param(SamplingConfig(temperature=1.0), marks=pytest.mark.slow)], ids=str)
 def test_reflex_and_slow_path_never_change_tokens(trained_model, gsm8k_prompts, sampling,
                                                   tmp_path):
   """Three adaptive batches: the vanilla tokens every time, Reflex corrections and slow-path
@@ -99,6 +102,7 @@ def test_adaptation_argument_checks(trained_model):
     A.AdaptationConfig(reflex=reflex.ReflexConfig(record_capacity=0))
 
 
+@pytest.mark.slow  # the deprecated adaptation= path (tests/test_specroll.py: the object)
 def test_a_sleeping_reflex_proposes_with_the_plain_heads(trained_model, gsm8k_prompts):
   """ReflexConfig.sleep_batches: while ``reflex.sleep`` > 0 the plain heads propose (no Reflex in
   the decode loop), the committed tokens stay the vanilla ones, each sleeping batch counts the

@@ -24,6 +24,7 @@ def _one_line_exit_2(capsys, fn, name):
   return lines[0]
 
 
+@pytest.mark.long
 @pytest.mark.slow  # a GRPO run + 3 arms (2 rollout programs), one row bucket: about 40 s
 def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)

@@ -26,6 +26,7 @@ def bench():
 
 
 @pytest.mark.slow  # the quick benchmark: 40-60 s cold
+@pytest.mark.long
 def test_quick_run_writes_consistent_rows(bench, tmp_path):
   out = tmp_path / "cost.json"
   bench.main(["--quick", "--out", str(out)])

@@ -21,6 +21,9 @@ from specroll_jax.proposers.merged import Merged
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 
+# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
+LONG = [pytest.mark.slow, pytest.mark.long]
+
 G = 4
 SAMPLING = SamplingConfig(temperature=1.0)
 
@@ -106,7 +109,8 @@ def test_cond_heads_validation(trained_model):
 
 
 @pytest.mark.parametrize("cfg", [
-    pytest.param(SamplingConfig(temperature=0.0), marks=pytest.mark.slow), SAMPLING], ids=str)
+    pytest.param(SamplingConfig(temperature=0.0), marks=LONG),
+    SAMPLING], ids=str)
 def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cfg):
   config, params, tok = trained_model
   ch, _ = fitted

@@ -40,6 +40,7 @@ CASES = [
     ("bench_adaptation.py", ["--level", "-1"], "--level"),
     ("gsm8k.py", ["--model", "/no/such/folder"], "--model"),
     ("gsm8k.py", ["--rollout", "fast"], "--rollout"),
+    ("gsm8k.py", ["--buckets", "0.5", "1.0"], "--buckets"),
     ("gsm8k.py", ["--reflex-sleep", "-1"], "--reflex-sleep"),
     ("gsm8k.py", ["--reflex", "maybe"], "--reflex"),
     ("gsm8k.py", ["--reflex-sleep-max", "-1"], "--reflex-sleep-max"),

@@ -105,6 +105,7 @@ def test_calibration_counts_and_checks():
 
 
 @pytest.mark.slow  # about 17 s
+@pytest.mark.long
 def test_gated_steps_run_the_plain_step_exactly(trained_model, gsm8k_prompts):
   config, params, tok = trained_model
   prompts = [p for p in gsm8k_prompts[:4] for _ in range(2)]

@@ -20,6 +20,9 @@ from specroll_jax.proposers.group_lookup import (
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 from specroll_jax.store import ResponseStore
 
+# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
+LONG = [pytest.mark.slow, pytest.mark.long]
+
 G, P, M = 4, 4, 40  # group size, prompts, new tokens
 SPEC = SpecConfig(bucket_fractions=(1.0, 0.5, 0.25), nodes=(4, 4, 4))
 
@@ -80,9 +83,9 @@ def batch(trained_model, gsm8k_prompts):
 
 
 @pytest.mark.parametrize("cfg", [pytest.param(SamplingConfig(temperature=0.0),
-                                              marks=pytest.mark.slow),
+                                              marks=LONG),
                                  pytest.param(SamplingConfig(temperature=0.7, top_k=40,
-                                                             top_p=0.9), marks=pytest.mark.slow),
+                                                             top_p=0.9), marks=LONG),
                                  SamplingConfig(temperature=1.0)], ids=str)
 def test_group_lookup_equals_vanilla(trained_model, batch, cfg):
   config, params, tok = trained_model

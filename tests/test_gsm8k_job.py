@@ -103,7 +103,7 @@ def _final_params(out):
 
 
 def test_sigkill_mid_run_resumes_to_the_uninterrupted_run(job_model, tmp_path):
-  steps = ["--steps", "4", "--no-compare", "--budget", "fixed"]
+  steps = ["--steps", "4", "--no-compare", "--budget", "fixed", "--buckets", "1.0"]
   full, cut = tmp_path / "full", tmp_path / "cut"
   proc = subprocess.run(_cmd(job_model, full, *steps), capture_output=True, text=True,
                         env=_env(), timeout=900)

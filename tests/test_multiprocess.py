@@ -237,7 +237,7 @@ def test_main_job_on_two_processes_equals_one_process(tmp_path, kind):
   port = _free_port()
   flags = ["--rollout", kind, "--steps", "2", "--prompts", "4", "--group", "4",
            "--max-new-tokens", "32", "--eval-prompts", "16", "--lr", "1e-3", "--warmup", "0",
-           "--no-compare"]
+           "--no-compare", "--buckets", "1.0"]  # one row bucket: one decode loop per program
   if kind == "specroll":  # every row verifies trees (goodput would verify none on this CPU)
     flags += ["--budget", "fixed", "--max-new-tokens", "16"]
   job = [sys.executable, str(ROOT / "experiments" / "gsm8k.py"), *flags]

@@ -27,6 +27,7 @@ def test_run_config_vanilla_buckets():
       RunConfig(vanilla_buckets=bad)
 
 
+@pytest.mark.slow  # a Run with its warm-up compiles
 def test_run_static_heads_rollout_with_root_conditioned_heads(trained_model, tmp_path):
   """RunConfig(rollout="static-heads") with root-conditioned heads proposes as SpecRoll's plain
   heads do (RankedHeads under the run's ReflexConfig, adaptation.heads_proposer) and commits the

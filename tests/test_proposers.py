@@ -16,6 +16,9 @@ from specroll_jax.proposers import HeadsAndLookup, HeadsProposer, PromptLookup, 
 from specroll_jax.proposers.lookup import find_continuation
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 
+# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
+LONG = [pytest.mark.slow, pytest.mark.long]
+
 
 def _reference_continuation(hist, pos, max_ngram, min_ngram, max_chain):
   for n in range(max_ngram, min_ngram - 1, -1):
@@ -61,9 +64,10 @@ def heads(trained_model):
   return H.init(jax.random.key(5), trained_model[0], 3, scale=0.05)
 
 
-CASES = [pytest.param(SamplingConfig(temperature=0.0), "lookup", marks=pytest.mark.slow),
-         (SamplingConfig(temperature=0.0), "merged"),
-         pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), "merged", marks=pytest.mark.slow),
+CASES = [pytest.param(SamplingConfig(temperature=0.0), "lookup", marks=LONG),
+         pytest.param(SamplingConfig(temperature=0.0), "merged",  # HeadsAndLookup: deprecated
+                      marks=LONG),
+         pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), "merged", marks=LONG),
          pytest.param(SamplingConfig(temperature=1.0), "lookup", marks=pytest.mark.slow)]
 
 

@@ -13,7 +13,7 @@ from conftest import TEST_MODEL
 
 from specroll_jax import models, sft
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.long]
 
 
 def test_build_test_model_reproduces_the_shipped_fixture(tmp_path):

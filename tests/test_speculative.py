@@ -10,6 +10,9 @@ from specroll_jax import models, rollout, sampling, tree, verify
 from specroll_jax.proposers import HeadsProposer
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 
+# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
+LONG = [pytest.mark.slow, pytest.mark.long]
+
 
 def _assert_same(ref, got):
   np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
@@ -59,9 +62,10 @@ CASES = [  # (sampling, spec, which heads)
     pytest.param(SamplingConfig(temperature=0.7, top_p=0.95), SpecConfig(node_budget=32),
                  "fitted", marks=pytest.mark.slow),
     (SamplingConfig(temperature=1.0), SpecConfig(node_budget=64, max_nodes=40), "random"),
-    (SamplingConfig(temperature=1.0), SpecConfig(node_budget=0), "fitted"),
+    pytest.param(SamplingConfig(temperature=1.0), SpecConfig(node_budget=0), "fitted",
+                 marks=pytest.mark.slow),
     pytest.param(SamplingConfig(temperature=0.7), SpecConfig(node_budget=16, topk=(2, 2, 2)),
-                 "random", marks=pytest.mark.slow),
+                 "random", marks=LONG),
 ]
 
 
@@ -131,6 +135,7 @@ def test_compaction_over_buckets(trained_model, gsm8k_prompts, random_heads):
 
 
 @pytest.mark.slow  # a speed figure (tau), not an exactness property
+@pytest.mark.long
 def test_tau_with_fitted_heads(trained_model, gsm8k_prompts, fitted_heads):
   """Fitted heads give > 1.5 tokens per target forward on held-out prompts (greedy, fixed seed)."""
   config, params, tok = trained_model

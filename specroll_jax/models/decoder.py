@@ -19,14 +19,14 @@ the attention implementation. Parameters are the ``params`` collection of :class
 (layers stacked on a leading axis by ``nn.scan``; ``unstack_layers`` slices them once outside a
 loop); dense kernels are stored [in, out].
 
-Two ways through the layers (:class:`LayerLoop`, docs/compile.md): unrolled over per-layer weight
-slices (one copy of the block per program part; inside a decode ``while_loop`` the slices are loop
-invariants, so no weight is copied per step) or a ``lax.scan`` over the stacked weights (one copy
-of the block, so compile time does not grow with depth; XLA on CPU copies each layer's weights out
-of the stack on every pass). Forwards without a cache (prefill, ``forward``, the trainer's
-log-probs) follow ``LayerLoop.full``; steps over a cache follow the cache's layout, which
-``init_cache`` takes from ``LayerLoop.cached``: a tuple of per-layer buffers runs unrolled, one
-stacked [B, Ly, L, Hkv, Dh] buffer runs the scan. The policy is read when a function is traced.
+Two ways through the layers (:class:`LayerLoop`; docs/benchmarks.md, "Compile time"): unrolled over
+per-layer weight slices (one copy of the block per program part; inside a decode ``while_loop`` the
+slices are loop invariants, so no weight is copied per step) or a ``lax.scan`` over the stacked
+weights (one copy of the block, so compile time does not grow with depth; XLA on CPU copies each
+layer's weights out of the stack on every pass). Forwards without a cache (prefill, ``forward``,
+the trainer's log-probs) follow ``LayerLoop.full``; steps over a cache follow the cache's layout,
+which ``init_cache`` takes from ``LayerLoop.cached``: a tuple of per-layer buffers runs unrolled,
+one stacked [B, Ly, L, Hkv, Dh] buffer runs the scan. The policy is read when a function is traced.
 """
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import flax.struct
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax.models.config import ModelConfig
@@ -234,7 +233,3 @@ def stats_dict(stats: PyTree) -> dict:
   return {jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(v)
           for path, v in jax.tree_util.tree_flatten_with_path(stats)[0]}
 
-
-def empty_rows_state(r: int) -> PyTree:
-  """A per-row state with no content but a rows axis (so tree_map over slots keeps working)."""
-  return jnp.zeros((r, 0), jnp.int32)
