@@ -211,7 +211,7 @@ class Run:
     if latest is not None:
       saved, meta = self.ckpt.restore(like=self._saved())
       self.state = jax.device_put(saved["train"], self.replicated)
-      self.sr_state = saved["specroll"]
+      self.sr_state = self._local(saved["specroll"])
       self.next_step = int(meta["step"]) + 1
       if self.writer:
         self.traces.truncate(int(meta["trace_steps"]))
@@ -242,9 +242,7 @@ class Run:
 
   def local_params(self, params=None):
     """This process's copy of the (replicated) policy parameters, for host-side decoding."""
-    params = self.state.params if params is None else params
-    return jax.tree.map(lambda x: x if getattr(x, "is_fully_addressable", True)
-                        else x.addressable_data(0), params)
+    return self._local(self.state.params if params is None else params)
 
   def _global_batch(self, b: Batch) -> Batch:
     """This process's rows as the data-parallel step's global batch (one process: as is)."""
@@ -262,7 +260,21 @@ class Run:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
   def _saved(self):
-    return {"train": self.state, "specroll": self.sr_state}
+    """The checkpointed state. With several processes the SpecRoll state (host-local arrays, the
+    same in every process) is saved as arrays replicated over the run's mesh, which every process
+    writes collectively (orbax refuses host-local arrays in a multi-host save)."""
+    sr = self.sr_state
+    if sr is not None and self.num_processes > 1:
+      def replicate(x):
+        v = np.asarray(x)
+        return jax.make_array_from_callback(v.shape, self.replicated, lambda idx: v[idx])
+      sr = jax.tree.map(replicate, sr)
+    return {"train": self.state, "specroll": sr}
+
+  def _local(self, tree):
+    """``tree`` with every leaf this process's copy (a replicated global array's local shard)."""
+    return jax.tree.map(lambda x: x if getattr(x, "is_fully_addressable", True)
+                        else x.addressable_data(0), tree)
 
   def rollout(self, params, toks, lens, sids, state=None):
     """This step's rollout of the rows ``toks`` (G rows per prompt, prompt-major): through the
