@@ -54,6 +54,6 @@ def test_readme_loop_runs_exactly_with_no_recompile(monkeypatch, tmp_path):
     van = rollout.generate(sr.config, params, batch.tokens, prompt_lengths=batch.lengths,
                            sample_ids=batch.sample_ids, max_new_tokens=sr.max_new_tokens,
                            seed=seed, sampling=sr.sampling, eos_ids=sr.eos_ids,
-                           cache_length=batch.rows.cache_length)
+                           options=rollout.DecodeOptions(cache_length=batch.rows.cache_length))
     assert (np.asarray(out.tokens) == np.asarray(van.tokens)).all()
   assert np.isfinite(float(ns["metrics"].loss))
