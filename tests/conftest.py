@@ -26,6 +26,7 @@ if FAST_COMPILE and FAST_COMPILE_FLAG not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_COMPILE_FLAG).strip()
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from specroll_jax import models  # noqa: E402
@@ -113,10 +114,27 @@ def run_on_cpu_devices(tmp_path, source: str, devices: int = 4, timeout: int = 6
   return json.loads(line[len("RESULT "):])
 
 
+# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
+LONG = [pytest.mark.slow, pytest.mark.long]
+
+
+def leaves_equal(a, b) -> bool:
+  """Same structure and every leaf bit for bit (NaN included)."""
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  same = lambda x, y: (x.dtype == y.dtype and x.shape == y.shape
+                       and np.asarray(x).tobytes() == np.asarray(y).tobytes())
+  return (jax.tree.structure(a) == jax.tree.structure(b)
+          and all(same(x, y) for x, y in zip(la, lb, strict=True)))
+
+
+def head_slice(tree, k):
+  """Head ``k``'s slice (the leading K axis) of every leaf."""
+  return jax.tree.map(lambda x: x[k], tree)
+
+
 def ancestor_closure(parent, valid):
   """The reflexive transitive closure of ``parent`` over valid nodes (numpy; diagonal for all):
   what a tree's attention mask must be."""
-  import numpy as np
   n1 = len(parent)
   want = np.eye(n1, dtype=bool)
   for i in range(n1):

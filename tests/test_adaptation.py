@@ -8,6 +8,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from conftest import LONG
 
 from specroll_jax import adaptation as A
 from specroll_jax import engines, proposers, reflex, rollout
@@ -15,9 +16,6 @@ from specroll_jax import heads as H
 from specroll_jax import slow_path as SP
 from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.rollout import SamplingConfig, SpecConfig
-
-# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
-LONG = [pytest.mark.slow, pytest.mark.long]
 
 # gates opened wide (a negative LCB z passes almost any alignment) so that corrections really
 # happen within a few short rollouts: exactness must hold whatever the proposals are

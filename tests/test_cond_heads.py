@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import LONG, head_slice, leaves_equal
 
 from specroll_jax import calibration, models, rollout
 from specroll_jax import cond_heads as CH
@@ -20,9 +21,6 @@ from specroll_jax.proposers.group_lookup import GroupLookup
 from specroll_jax.proposers.merged import Merged
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.rollout import SamplingConfig, SpecConfig
-
-# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
-LONG = [pytest.mark.slow, pytest.mark.long]
 
 G = 4
 SAMPLING = SamplingConfig(temperature=1.0)
@@ -153,9 +151,8 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
 
 
 def _slices_equal(a, b, k) -> bool:
-  """Head k's slice (leading K axis) of every leaf of a and b equal bit for bit."""
-  return all(np.asarray(x)[k].tobytes() == np.asarray(y)[k].tobytes()
-             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+  """Head k's slice of a and b equal bit for bit."""
+  return leaves_equal(head_slice(a, k), head_slice(b, k))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

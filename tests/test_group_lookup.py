@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import LONG
 
 from specroll_jax import rollout
 from specroll_jax.proposers.group_lookup import (
@@ -19,9 +20,6 @@ from specroll_jax.proposers.group_lookup import (
 )
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 from specroll_jax.store import ResponseStore
-
-# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
-LONG = [pytest.mark.slow, pytest.mark.long]
 
 G, P, M = 4, 4, 40  # group size, prompts, new tokens
 SPEC = SpecConfig(bucket_fractions=(1.0, 0.5, 0.25), nodes=(4, 4, 4))

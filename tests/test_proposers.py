@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import LONG
 
 from specroll_jax import heads as H
 from specroll_jax import rollout
@@ -15,9 +16,6 @@ from specroll_jax import tree as T
 from specroll_jax.proposers import HeadsAndLookup, HeadsProposer, PromptLookup, Proposer
 from specroll_jax.proposers.lookup import find_continuation
 from specroll_jax.rollout import SamplingConfig, SpecConfig
-
-# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
-LONG = [pytest.mark.slow, pytest.mark.long]
 
 
 def _reference_continuation(hist, pos, max_ngram, min_ngram, max_chain):

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import head_slice, leaves_equal
 
 from specroll_jax import heads as heads_lib
 from specroll_jax import models
@@ -73,19 +74,6 @@ _merge = jax.jit(records_lib.merge)
 
 def fill(state, recs):
   return state.replace(reservoir=_merge(state.reservoir, recs))
-
-
-def leaves_equal(a, b) -> bool:
-  """Same structure and every leaf bit for bit (NaN included)."""
-  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-  same = lambda x, y: (x.dtype == y.dtype and x.shape == y.shape
-                       and np.asarray(x).tobytes() == np.asarray(y).tobytes())
-  return (jax.tree.structure(a) == jax.tree.structure(b)
-          and all(same(x, y) for x, y in zip(la, lb, strict=True)))
-
-
-def head_slice(tree, k):
-  return jax.tree.map(lambda x: x[k], tree)
 
 
 # --- monitor ------------------------------------------------------------------------------------

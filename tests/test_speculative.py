@@ -4,14 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import LONG
 
 from specroll_jax import heads as H
 from specroll_jax import models, rollout, sampling, tree, verify
 from specroll_jax.proposers import HeadsProposer
 from specroll_jax.rollout import SamplingConfig, SpecConfig
-
-# slow checks beyond CI's time (pyproject.toml's markers): only `make test-all` runs them
-LONG = [pytest.mark.slow, pytest.mark.long]
 
 
 def _assert_same(ref, got):
