@@ -3,6 +3,8 @@
   tree attention: ``tree_attention`` vs ``tree_attention_reference`` (jitted), Qwen2.5-1.5B and 7B
     layouts, achieved KV-read bandwidth against a measured device-to-device copy roofline; verify
     steps (T = N + 1 over a cache of L) and, with ``--prefill-lengths``, prefill (L = 0, causal);
+    one row per ``--splits`` value (``num_splits``: "auto", the kernel's own choice, or a count;
+    each row records the count that ran, ``splits_run``);
   fused sampler: ``fused_sample`` vs unembed (bf16 matmul, f32 out) + the same Gumbel-max in XLA,
     for each ``--layouts`` entry ("dv": unembed [D, V]; "vd": a tied [V, D] embedding table).
 
@@ -42,6 +44,20 @@ MODELS = {"qwen2.5-1.5b": (12, 2, 128, 1536), "qwen2.5-7b": (28, 4, 128, 3584)}
 VOCAB = 151936
 
 
+def parse_split(value: str) -> int | None:
+  """'auto' -> None (the kernel's choice); otherwise a count in [1, ta.MAX_NUM_SPLITS]."""
+  if value == "auto":
+    return None
+  try:
+    n = int(value)
+  except ValueError:
+    n = 0
+  if not 1 <= n <= ta.MAX_NUM_SPLITS:
+    raise argparse.ArgumentTypeError(f"'auto' or an int in [1, {ta.MAX_NUM_SPLITS}], got "
+                                     f"{value!r}")
+  return n
+
+
 def parse_args(argv=None):
   p = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--out", type=Path, default=Path("bench_kernels.json"), help="JSON results path")
@@ -54,6 +70,8 @@ def parse_args(argv=None):
   p.add_argument("--prefill-lengths", nargs="*", type=int, default=[],
                  help="prompt lengths T for prefill rows (L = 0, causal mask), B = --prefill-batch")
   p.add_argument("--prefill-batch", type=int, default=8)
+  p.add_argument("--splits", nargs="+", type=parse_split, default=[None], metavar="auto|N",
+                 help="tree attention num_splits, one row each: 'auto' (default) or a count")
   p.add_argument("--layouts", nargs="+", default=["dv", "vd"], choices=list(fs.LAYOUTS),
                  help="unembedding layouts for the sampler rows")
   p.add_argument("--rows", nargs="+", type=int, default=[16, 256], help="sampler rows R")
@@ -120,9 +138,57 @@ def attention_grid(args):
   return rows + [("prefill", args.prefill_batch, 0, t) for t in args.prefill_lengths]
 
 
+def attention_kernel(interpret, num_splits=None, block_l=None):
+  """The jitted kernel call the benchmark times (``num_splits`` None: the kernel's choice)."""
+  bs = ta.BlockSizes(block_l=block_l)
+  return jax.jit(lambda *a: ta.tree_attention(*a, interpret=interpret, block_sizes=bs,
+                                              num_splits=num_splits))
+
+
+def time_kernel(kern, inp, ref_out, kv_bytes, copy_bw, timing) -> dict:
+  """One kernel's figures: error vs ``ref_out``, device time, KV bandwidth, % of the roofline."""
+  err = float(jnp.max(jnp.abs(kern(*inp).astype(jnp.float32) - ref_out.astype(jnp.float32))))
+  tk = device_time(kern, *inp, **timing)
+  return dict(max_abs_err=err, kernel_us=tk * 1e6, kv_gbps=kv_bytes / tk / 1e9,
+              pct_copy_bw=100 * kv_bytes / tk / copy_bw)
+
+
+def split_sweep(b, lc, tree_sizes, heads, configs, dtype, interpret, timing, copy_bw, seed=0):
+  """Tree attention at B rows over a full cache of L, per T in ``tree_sizes`` and per
+  (num_splits, block_l) in ``configs`` (None: the default), against the unsplit kernel
+  (num_splits = 1, timed first): kernel time, % of the copy roofline, the split count that ran
+  and the speedup over the unsplit call. ``heads`` = (H, Hkv, Dh)."""
+  h, hkv, dh = heads
+  ref = jax.jit(ta.tree_attention_reference)
+  rng = np.random.default_rng(seed)
+  kv_bytes = lambda t: 2 * b * (lc + t) * hkv * dh * jnp.dtype(dtype).itemsize
+  rows = []
+  for t in tree_sizes:
+    inp = attention_inputs(rng, b, t, h, hkv, dh, lc, dtype)
+    ref_out = ref(*inp)
+    base = None
+    for n, block_l in [(1, None)] + [c for c in configs if c != (1, None)]:
+      row = dict(B=b, L=lc, T=t, H=h, Hkv=hkv, Dh=dh, num_splits="auto" if n is None else n,
+                 block_l=block_l or "default")
+      try:
+        row["splits_run"] = ta.num_splits_for(inp[0].shape, inp[1].shape, dtype,
+                                              block_sizes=ta.BlockSizes(block_l=block_l),
+                                              num_splits=n)
+        row.update(time_kernel(attention_kernel(interpret, n, block_l), inp, ref_out,
+                               kv_bytes(t), copy_bw, timing))
+        if (n, block_l) == (1, None):
+          base = row["kernel_us"]
+        if base is not None:
+          row["speedup_vs_unsplit"] = base / row["kernel_us"]
+      except Exception as e:  # one config failing (e.g. compile) must not end the sweep
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+      rows.append(row)
+    del inp, ref_out
+  return rows
+
+
 def bench_attention(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
   ref = jax.jit(ta.tree_attention_reference)
-  kern = jax.jit(lambda *a: ta.tree_attention(*a, interpret=interpret))
   item = jnp.dtype(dtype).itemsize
   rng = np.random.default_rng(0)
   for model in args.models:
@@ -130,31 +196,33 @@ def bench_attention(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
     if args.quick:
       h, hkv, dh = 4, 2, 64
     for kind, b, lc, t in attention_grid(args):
-      row = dict(bench="tree_attention", kind=kind, model=model, B=b, L=lc, T=t, H=h, Hkv=hkv,
-                 Dh=dh, dtype=jnp.dtype(dtype).name)
+      base = dict(bench="tree_attention", kind=kind, model=model, B=b, L=lc, T=t, H=h, Hkv=hkv,
+                  Dh=dh, dtype=jnp.dtype(dtype).name)
       kv_bytes = 2 * b * (lc + t) * hkv * dh * item
       # inputs + the reference's f32 scores / probabilities [B, H, T, L + T] (x3 live)
       foot = kv_bytes + 3 * 4 * b * h * t * (lc + t) + 4 * b * t * h * dh * item
       if foot > args.mem_fraction * mem_limit:
-        row["skipped"] = f"footprint {foot / 2**30:.1f} GiB"
-        emit(row)
+        emit(dict(base, skipped=f"footprint {foot / 2**30:.1f} GiB"))
         continue
-      try:
-        inp = attention_inputs(rng, b, t, h, hkv, dh, lc, dtype)
-        out_k = kern(*inp)
-        out_r = ref(*inp)
-        row["max_abs_err"] = float(jnp.max(jnp.abs(out_k.astype(jnp.float32)
-                                                   - out_r.astype(jnp.float32))))
-        tk = device_time(kern, *inp, **timing)
-        tr = device_time(ref, *inp, **timing)
-        row.update(kernel_us=tk * 1e6, xla_us=tr * 1e6, speedup=tr / tk,
-                   kv_gbps=kv_bytes / tk / 1e9, xla_kv_gbps=kv_bytes / tr / 1e9,
-                   pct_copy_bw=100 * kv_bytes / tk / copy_bw)
-        del inp, out_k, out_r
-      except Exception as e:  # one config failing (e.g. compile) must not end the sweep
-        row["error"] = f"{type(e).__name__}: {e}"[:500]
-        traceback.print_exc(file=sys.stderr)
-      emit(row)
+      inp = out_r = tr = None
+      for n in args.splits:
+        row = dict(base, splits="auto" if n is None else n)
+        try:
+          if inp is None:
+            inp = attention_inputs(rng, b, t, h, hkv, dh, lc, dtype)
+            out_r = ref(*inp)
+            tr = device_time(ref, *inp, **timing)
+          row["splits_run"] = ta.num_splits_for(inp[0].shape, inp[1].shape, dtype,
+                                                num_splits=n)
+          row.update(time_kernel(attention_kernel(interpret, n), inp, out_r, kv_bytes,
+                                 copy_bw, timing))
+          row.update(xla_us=tr * 1e6, speedup=tr * 1e6 / row["kernel_us"],
+                     xla_kv_gbps=kv_bytes / tr / 1e9)
+        except Exception as e:  # one config failing (e.g. compile) must not end the sweep
+          row["error"] = f"{type(e).__name__}: {e}"[:500]
+          traceback.print_exc(file=sys.stderr)
+        emit(row)
+      del inp, out_r
 
 
 def xla_sample(hidden, unembed, seed, sids, pos, *, temperature, layout):
@@ -222,8 +290,8 @@ def bench_sampler(args, dtype, interpret, timing, copy_bw, mem_limit, emit):
 
 def print_table(rows, meta):
   cols = {
-      "tree_attention": ["kind", "model", "B", "L", "T", "kernel_us", "xla_us", "speedup",
-                         "kv_gbps", "pct_copy_bw", "max_abs_err"],
+      "tree_attention": ["kind", "model", "B", "L", "T", "splits", "splits_run", "kernel_us",
+                         "xla_us", "speedup", "kv_gbps", "pct_copy_bw", "max_abs_err"],
       "fused_sampler": ["D", "V", "R", "temperature", "layout", "kernel_us", "xla_us", "speedup",
                         "unembed_gbps", "pct_copy_bw", "token_agreement"],
   }

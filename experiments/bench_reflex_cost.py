@@ -293,7 +293,7 @@ def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, 
       prop, pparams, state = HeadsProposer(num_heads=k), heads, ()
     else:
       prop = ReflexProposer(cfg)
-      pparams = (heads, reflex.init_global(cfg))
+      pparams = prop.params(heads, reflex.init_global(cfg))
       state = prop.init(target, pparams, init)
       if opened:
         state = open_gates(state, seed)

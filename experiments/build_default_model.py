@@ -100,9 +100,9 @@ def synthetic_stage(base, out, *, level: int, steps: int, lr: float, batch_size:
       stage="synthetic", base=str(base), level=level, sft_config=dataclasses.asdict(cfg),
       gsm8k_test_loss=sft.test_loss(config, params, tok, 288),
       synthetic_greedy=evaluation.accuracy(config, params, tok, syn.examples("test")[:128],
-                                           max_new_tokens=96),
+                                           max_new_tokens=96).to_dict(),
       gsm8k_greedy=evaluation.accuracy(config, params, tok, tasks.Task().examples("test")[:64],
-                                       max_new_tokens=192))
+                                       max_new_tokens=192).to_dict())
   (tmp / "metrics.json").write_text(json.dumps(metrics, indent=2))
   if out.exists():
     shutil.rmtree(out)

@@ -9,6 +9,10 @@ The model is the embedded one's exact function inside a Qwen2.5-shaped network (
 widening.md). Cases, one at a time, each in its own try/except, ``<out>/device_run.json``
 rewritten after every case (``device_check.Report``); no case starts after --budget-s:
 1. the engine with the Pallas kernels against the jnp references (``device_check.engine_cases``);
+   then the tree-attention kernel in the tail of a batch (``bench_kernels.split_sweep``): B = 16
+   rows, Qwen2.5-1.5B heads (12 / 2, Dh 128), a full L = 4096 cache, T = 1 and 8, the unsplit
+   kernel (num_splits = 1) against splits of L (the automatic count, 4, 16, 32, and 16 with
+   64-key blocks): microseconds per call, % of the measured copy roofline, speedup over unsplit;
 2. per task (the synthetic problems, GSM8K) and temperature: a batch of --prompts test prompts x
    G, --max-new-tokens tokens, by the compacting vanilla engine and by ``SpecRoll`` with its
    defaults (one warm-up batch of other prompts first, its programs compiled there): tau, the
@@ -36,6 +40,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import _common  # noqa: E402, F401
+import bench_kernels  # noqa: E402
 import device_check  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -45,6 +50,9 @@ from specroll_jax.config import SpecConfig  # noqa: E402
 from specroll_jax.data import gsm8k, tasks  # noqa: E402
 from specroll_jax.specroll import SpecRoll  # noqa: E402
 
+# The tail-of-batch split sweep: (num_splits, block_l) per config, None = the kernel's default.
+SPLIT_CONFIGS = [(1, None), (None, None), (4, None), (16, None), (32, None), (16, 64)]
+QUICK_SPLIT_CONFIGS = [(1, None), (3, None)]
 QUICK_SHAPE = models.WideShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=1,
                                head_dim=64, intermediate_size=768)
 
@@ -98,6 +106,24 @@ def rollout_case(a, state, task, temperature):
             "identical": bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all()),
             "compile_s": r.compile_seconds, "vanilla_compile_s": c_van,
             "peak_bytes": _peak_bytes()}
+  return case
+
+
+def split_case(a, interpret):
+  """The tree-attention kernel at the tail of a batch, unsplit vs splits of L (module docstring);
+  --quick: interpret mode, B = 2, 4 / 2 heads of 64, L = 80, T = 8, one repetition."""
+  def case():
+    dtype = jax.numpy.dtype(a.dtype)  # float32 with --quick
+    if a.quick:
+      b, lc, ts, heads, configs = 2, 80, (8,), (4, 2, 64), QUICK_SPLIT_CONFIGS
+      timing, copy_mib = dict(warmup=0, reps=1, inner=1), 16
+    else:
+      b, lc, ts, heads, configs = 16, 4096, (1, 8), (12, 2, 128), SPLIT_CONFIGS
+      timing, copy_mib = dict(warmup=3, reps=10, inner=3), 1024
+    copy_bw = bench_kernels.copy_roofline(copy_mib, dtype, timing)
+    rows = bench_kernels.split_sweep(b, lc, ts, heads, configs, dtype, interpret, timing,
+                                     copy_bw)
+    return {"copy_gbps": copy_bw / 1e9, "dtype": dtype.name, "rows": rows}
   return case
 
 
@@ -155,6 +181,7 @@ def main(argv=None):
   report.data["args"] = vars(a)
   interpret = jax.default_backend() == "cpu"
   cases = device_check.engine_cases(interpret)
+  cases.append(("kernels/split_tail", split_case(a, interpret)))
   state = {}
 
   def load():

@@ -262,13 +262,13 @@ def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[
   compile_info = {}
   if r.next_step < cfg.steps:
     warm = r.warmup()
-    compile_info = warm
+    compile_info = {"rollout_warmup_seconds": warm.rollout_seconds,
+                    "train_warmup_seconds": warm.train_seconds}
     print(f"[{cfg.rollout}] warm-up (compile + one call): rollout "
-          f"{warm['rollout_warmup_seconds']:.1f} s, train step "
-          f"{warm['train_warmup_seconds']:.1f} s", flush=True)
+          f"{warm.rollout_seconds:.1f} s, train step {warm.train_seconds:.1f} s", flush=True)
   recs = []
   while r.next_step < cfg.steps:
-    rec = r.step()
+    rec = r.step().to_dict()  # (a grpo.trainer.StepMetrics)
     recs.append(rec)
     probe = rec.get("probe_tau")
     print(f"[{cfg.rollout}] step {rec['step'] + 1}/{cfg.steps}  reward {rec['reward_mean']:.3f}  "
@@ -362,7 +362,8 @@ def main(argv=None):
       print(f"held-out accuracy before training ({cfg.eval_prompts} {a.task} test problems): "
             f"greedy {g0:.3f}, sampled at T={a.temperature} {s0:.3f}", flush=True)
     recs, compile_info, r = train(a, cfg, model, heads, out / kind, resume=resume)
-    all_recs = read_metrics(out / kind / "metrics.jsonl") if r.writer else recs
+    all_recs = ([m.to_dict() for m in read_metrics(out / kind / "metrics.jsonl")] if r.writer
+                else recs)
     evals[kind] = held_out(cfg, model, r.local_params())
     (g0, s0), (g1, s1) = evals["before"], evals[kind]
     print(f"[{kind}] held-out accuracy after {cfg.steps} steps: greedy {g1:.3f} (before "
@@ -402,7 +403,7 @@ def held_out(cfg: RunConfig, model, params) -> tuple[float, float]:
   greedy = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens)
   sampled = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens,
                                 sampling=cfg.grpo.sampling, seed=10**6 + cfg.seed)
-  return float(greedy["accuracy_strict"]), float(sampled["accuracy_strict"])
+  return greedy.accuracy_strict, sampled.accuracy_strict
 
 
 def compare(results, runs, kinds) -> dict:
@@ -445,7 +446,7 @@ def compare(results, runs, kinds) -> dict:
   if len(runs) == 2:  # the objective is unchanged: same rewards, same parameters
     recs = [results[k]["records"] for k in kinds]
     same_rewards = all(x["reward_mean"] == y["reward_mean"] for x, y in zip(*recs, strict=False))
-    pa, pb = (jax.device_get(runs[k].state.params) for k in kinds)
+    pa, pb = (jax.device_get(runs[k].state.train.params) for k in kinds)
     diff = max(float(np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max())
                for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb), strict=True))
     table["same_rewards"] = bool(same_rewards)

@@ -111,8 +111,22 @@ def tile_mask(tree_mask, tq: int, n_q: int, cols: int, dtype, tile_rows: int | N
   return m.astype(dtype)
 
 
+# Most splits of L one call runs: bounds the f32 partials (S x the output, in f32) and the grid.
+MAX_SPLITS = 256
+
+
 def split_geometry(n_tiles: int, num_splits: int):
-  """Tiles per split and the effective split count (every split owns >= 1 tile)."""
-  s = max(1, min(num_splits, n_tiles))
+  """(tiles per split, split count) for a cache of ``n_tiles`` blocks: at most ``MAX_SPLITS``
+  splits, each owning >= 1 block of the full cache (static: the grid's split axis)."""
+  s = max(1, min(num_splits, n_tiles, MAX_SPLITS))
   tps = -(-n_tiles // s)
   return tps, -(-n_tiles // tps)
+
+
+def row_split(length, splits: int, block: int):
+  """Cache blocks per split for one row with ``length`` valid positions (traced int32): its
+  ceil(length / block) blocks dealt out in order, ceil(blocks / splits) to each split, so the
+  work follows the row's own length, not L (the last splits may get fewer blocks or none). With
+  one split, that one split walks every valid block. ``splits`` and ``block`` are static."""
+  n_blocks = lax.div(length + (block - 1), block)
+  return lax.div(n_blocks + (splits - 1), splits)

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +45,8 @@ from jax import lax
 
 from pallas_kernels._backend import BACKENDS, resolve_backend
 from pallas_kernels._sampler_math import contract
+from pallas_kernels._shapes import float_arg as _float_arg
+from pallas_kernels._shapes import int_arg as _int_arg
 from pallas_kernels._shapes import is_pow2 as _is_pow2
 from pallas_kernels._shapes import next_pow2 as _next_pow2
 from pallas_kernels._shapes import round_up as _round_up
@@ -85,15 +86,13 @@ class BlockSizes:
 
   def __post_init__(self):
     for name in ("block_r", "block_v", "block_d", "num_splits"):
-      x = getattr(self, name)
-      if x is not None and (not isinstance(x, int) or x < 1):
-        raise ValueError(f"fused_sampler.BlockSizes.{name} must be None or an int >= 1, got {x!r}")
+      object.__setattr__(self, name, _int_arg(getattr(self, name),
+                                              f"fused_sampler.BlockSizes.{name}", 1, optional=True))
     w = self.num_warps
     if w is not None and w not in (1, 2, 4, 8, 16):
       raise ValueError(f"fused_sampler.BlockSizes.num_warps must be None or 1/2/4/8/16, got {w!r}")
-    if not isinstance(self.num_stages, int) or self.num_stages < 1:
-      raise ValueError(f"fused_sampler.BlockSizes.num_stages must be an int >= 1, got "
-                       f"{self.num_stages!r}")
+    object.__setattr__(self, "num_stages", _int_arg(
+        self.num_stages, "fused_sampler.BlockSizes.num_stages", 1))
 
 
 
@@ -192,9 +191,7 @@ def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: f
   block sizes that break the backend's tiling rule.
   """
   backend = resolve_backend(backend, interpret)
-  t = temperature
-  if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-    raise ValueError(f"fused_sample: temperature must be a finite number >= 0, got {t!r}")
+  t = _float_arg(temperature, "fused_sample: temperature", 0)
   if unembed_layout not in LAYOUTS:
     raise ValueError(f"fused_sample: unembed_layout must be one of {LAYOUTS}, got "
                      f"{unembed_layout!r}")

@@ -21,6 +21,16 @@ runs over (B, Hkv, query tiles, L splits); keys are walked in blocks, first the 
 granularity [B, T, T] and expanded to rows inside the kernel (a row gather on Triton, a one-hot
 matmul on TPU), never materialised per head. Only the partial last block of each walk is masked.
 See ``tree_attention_triton.py`` and ``tree_attention_tpu.py`` for the per-backend layout.
+
+Splits of L (flash-decoding; both backends), for few rows over a long cache: S programs share
+each (row, kv head, query tile). Row b's ceil(cache_lengths[b] / block_l) valid blocks are dealt
+out in order, ceil(blocks / S) per split (``_flash.row_split``), so the split follows each row's
+own length; split 0 also walks the step's own keys under the tree mask (the new keys are seen
+exactly once). Each split writes its unnormalised partials in f32 (acc [M, Dh], running max m
+and sum den [M, 1]) and ``_flash.combine`` merges them exactly in jnp:
+out = sum_s e^(m_s - m) acc_s / sum_s e^(m_s - m) den_s with m = max_s m_s; an empty split
+(den = 0, acc = 0) drops out, and a query with no allowed key still returns zeros. S = 1 is the
+unsplit kernel, which normalises in place.
 """
 
 from __future__ import annotations
@@ -31,11 +41,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_kernels._backend import resolve_backend
+from pallas_kernels._flash import MAX_SPLITS as MAX_NUM_SPLITS
 from pallas_kernels._flash import NEG as _NEG
 from pallas_kernels._shapes import is_pow2 as _is_pow2
+from pallas_kernels.tree_attention_tpu import split_count as _tpu_split_count
 from pallas_kernels.tree_attention_tpu import tree_attention_tpu
+from pallas_kernels.tree_attention_triton import split_count as _triton_split_count
 from pallas_kernels.tree_attention_triton import tree_attention_triton
 
 # Head widths the compiled backends support (power-of-two tiles for Triton; lane-dense for Mosaic).
@@ -44,6 +58,16 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 INTERPRET_HEAD_DIM_MULTIPLE = 16
 INTERPRET_MAX_HEAD_DIM = 256
 TPU_LANES = 128
+
+
+def _splits_arg(n, name: str) -> int | None:
+  """A num_splits value as None or a Python int in [1, MAX_NUM_SPLITS] (numpy ints accepted,
+  bools refused); ValueError naming the argument, the limit and the value."""
+  if n is None:
+    return None
+  if isinstance(n, bool) or not isinstance(n, int | np.integer) or not 1 <= n <= MAX_NUM_SPLITS:
+    raise ValueError(f"{name} must be None or an int in [1, {MAX_NUM_SPLITS}], got {n!r}")
+  return int(n)
 
 
 def tree_attention_reference(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, *,
@@ -89,8 +113,9 @@ class BlockSizes:
     TPU: a multiple of 128, None: 512 (lowered to the largest multiple of 128 within L).
   block_t: the step's own keys per block (same rules as block_l). None: Triton
     min(block_l, next_pow2(max(T, 16))); TPU min(512, T rounded up to 128).
-  num_splits: splits of L run as separate programs and combined afterwards (flash-decoding);
-    None picks one from the program count and L (more splits when B * Hkv * tiles is small).
+  num_splits: splits of L run as separate programs and combined afterwards (flash-decoding), an
+    int in [1, MAX_NUM_SPLITS]; None picks one from the program count and L (more splits when
+    B * Hkv * tiles is small; ``tree_attention``'s ``num_splits`` documents the rule).
   num_warps: Triton warps per program; None: 4 for query tiles up to 64 rows, else 8.
   num_stages: Triton software-pipelining stages.
   """
@@ -107,9 +132,7 @@ class BlockSizes:
       x = getattr(self, name)
       if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 8):
         raise ValueError(f"BlockSizes.{name} must be None or an int >= 8, got {x!r}")
-    n = self.num_splits
-    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-      raise ValueError(f"BlockSizes.num_splits must be None or an int >= 1, got {n!r}")
+    object.__setattr__(self, "num_splits", _splits_arg(self.num_splits, "BlockSizes.num_splits"))
     w = self.num_warps
     if w is not None and (not isinstance(w, int) or w not in (1, 2, 4, 8, 16)):
       raise ValueError(f"BlockSizes.num_warps must be None or one of 1, 2, 4, 8, 16, got {w!r}")
@@ -213,9 +236,40 @@ def _tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask,
               interpret=interpret)
 
 
+def _with_splits(bs: BlockSizes, num_splits) -> BlockSizes:
+  """``bs`` with the ``num_splits`` argument applied; ValueError naming the value and the limit."""
+  num_splits = _splits_arg(num_splits, "tree_attention: num_splits")
+  if num_splits is None or num_splits == bs.num_splits:
+    return bs
+  if bs.num_splits is not None:
+    raise ValueError(f"tree_attention: num_splits={num_splits} conflicts with "
+                     f"block_sizes.num_splits={bs.num_splits}; set one of them")
+  return dataclasses.replace(bs, num_splits=num_splits)
+
+
+def _block_sizes(block_sizes, num_splits) -> BlockSizes:
+  bs = BlockSizes() if block_sizes is None else block_sizes
+  if not isinstance(bs, BlockSizes):
+    raise ValueError(f"tree_attention: block_sizes must be a BlockSizes, got {type(bs).__name__}")
+  return _with_splits(bs, num_splits)
+
+
+def num_splits_for(q_shape, cache_shape, dtype=jnp.bfloat16, *, backend: str = "auto",
+                   block_sizes: BlockSizes | None = None, num_splits: int | None = None) -> int:
+  """The number of L splits ``tree_attention`` runs for q of ``q_shape`` [B, T, H, Dh] and a cache
+  of ``cache_shape`` [B, L, Hkv, Dh] in ``dtype``, with the same ``backend``, ``block_sizes``
+  and ``num_splits`` arguments (the automatic choice resolved, the clamp applied). Static: no
+  arrays, nothing traced."""
+  backend = resolve_backend(backend, False)
+  bs = _block_sizes(block_sizes, num_splits).resolve(backend, dtype, q_shape[1])
+  count = _triton_split_count if backend == "triton" else _tpu_split_count
+  b, t, h, _ = q_shape
+  return count(b, t, h, cache_shape[2], cache_shape[1], bs)
+
+
 def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, *,
                    interpret: bool = False, scale: float | None = None, backend: str = "auto",
-                   block_sizes: BlockSizes | None = None):
+                   block_sizes: BlockSizes | None = None, num_splits: int | None = None):
   """Pallas tree-verify attention; same contract and result as ``tree_attention_reference``.
 
   Any T >= 1 (a verify step, a long chunk or a whole prompt; L may be 0) and any L: queries are
@@ -223,16 +277,25 @@ def tree_attention(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, 
   backend: "triton" (GPU), "tpu" (Mosaic) or "auto" (tpu on a TPU default backend, else triton; with
   ``interpret=True`` the chosen body runs in the Pallas interpreter, e.g. on CPU).
   block_sizes: ``BlockSizes``; None fields take ``BlockSizes.resolve``'s defaults.
+  num_splits: splits of the cache (L) axis over separate programs, merged exactly afterwards
+    (module docstring), for the tail of a batch: few rows, long caches. An int in
+    [1, ``MAX_NUM_SPLITS``]; 1 = no split; more splits than the cache has blocks of block_l run
+    as one split per block. None = ``block_sizes.num_splits``, and when that is None too the
+    backend's choice: on Triton, enough splits that B * Hkv * query tiles * S reaches about two
+    waves of an H100/H200 (264 programs; so none at B * Hkv * tiles > 132), at most
+    L / (8 * tile rows) so the f32 partials stay under a quarter of the KV bytes read, hence none
+    for short caches; on TPU, 2 for a single program (a megacore chip's two TensorCores), else 1.
+    ``num_splits_for`` returns the count a call runs. Setting both this and
+    ``block_sizes.num_splits`` to different values is an error.
   q, k_new and v_new are cast to the cache dtype for the matmuls (f32 accumulation and softmax;
   f32 operands use full-precision dots); the output is in q.dtype. Cache positions past
   cache_lengths are never used, even if non-finite.
-  Raises ValueError (before tracing) on mismatched shapes/heads, unsupported Dh or block sizes that
-  break the backend's tiling rule. Static: scale, backend, block_sizes, interpret.
+  Raises ValueError (before tracing) on mismatched shapes/heads, unsupported Dh, block sizes that
+  break the backend's tiling rule, or num_splits outside [1, MAX_NUM_SPLITS]. Static: scale,
+  backend, block_sizes, num_splits, interpret.
   """
   backend = resolve_backend(backend, interpret)
-  bs = BlockSizes() if block_sizes is None else block_sizes
-  if not isinstance(bs, BlockSizes):
-    raise ValueError(f"tree_attention: block_sizes must be a BlockSizes, got {type(bs).__name__}")
+  bs = _block_sizes(block_sizes, num_splits)
   _validate(q, k_cache, v_cache, cache_lengths, k_new, v_new, tree_mask, backend, interpret)
   bs = bs.resolve(backend, k_cache.dtype, q.shape[1])
   _check_blocks(bs, backend)

@@ -10,8 +10,11 @@ head's lanes. With Dh = 128 there is no waste; with Dh = 64 each program reads i
 K/V too (2x bytes), accepted for the small models that use it.
 
 Grid (B, Hkv, query tiles, S, bps + n_kb), the last axis a sequential reduction: steps
-[0, bps) walk this split's cache blocks of block_l (cache_lengths is scalar-prefetched and clamps
-the block index, so blocks past the length repeat the previous index: no DMA, compute skipped);
+[0, bps) walk this split's share of the row's valid cache blocks of block_l (the row's
+ceil(cache_lengths[b] / block_l) blocks dealt out in order, ceil(blocks / S) per split,
+``_flash.row_split``; bps is that share for a full row). cache_lengths is scalar-prefetched and
+clamps the block index, so steps past the share repeat the previous index: no DMA, compute
+skipped;
 steps [bps, bps + n_kb) walk the step's new keys in blocks of block_t (split 0 only), padded to
 a multiple of 128 lanes. Only the partial last cache block is masked (select on scores and V
 rows, masks built from full 2-D iotas). The tree mask arrives at token granularity, bf16
@@ -58,7 +61,7 @@ def vmem_bytes(rows, w, block_l, block_t, tqm, itemsize, split_out):
 
 
 def _kernel(lens_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *refs, scale, g, tq, bps,
-            block_l, cache_len, split_out, precision):
+            splits, block_l, cache_len, split_out, precision):
   # lens_ref [B] (SMEM); q_ref [M, W]; k_ref, v_ref [block_l, W]; kn_ref, vn_ref [block_t, W];
   # mask_ref [tqm, block_t] bf16; outputs, then scratch m_sc, l_sc [M, 128], acc_sc [M, W] f32.
   if split_out:
@@ -82,8 +85,9 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *refs, scal
     l_sc[...] = jnp.broadcast_to(den, l_sc.shape)
     acc_sc[...] = acc
 
-  start = (s_id * bps + j) * block_l
-  in_cache = (j < bps) & (start < length)
+  share = _flash.row_split(length, splits, block_l)  # this row's blocks per split (<= bps)
+  start = (s_id * share + j) * block_l
+  in_cache = (j < share) & (start < length)
 
   @pl.when(in_cache & (start + block_l <= length))
   def _full_block():
@@ -119,6 +123,26 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *refs, scal
       o_ref[...] = _flash.normalise(acc_sc[...], l_sc[:, :1]).astype(o_ref.dtype)
 
 
+def _geometry(b, t, h, hkv, lc, bs, row_multiple=8):
+  """(tq, n_q, rows, block_l, blocks per split, splits) for resolved block sizes ``bs``."""
+  tq, n_q, rows = _flash.query_tiling(t, h // hkv, bs.block_q, pow2=False,
+                                      row_multiple=row_multiple)
+  cache_len = max(lc, LANES)  # a cache shorter than 128 rows is padded to 128
+  block_l = min(bs.block_l, cache_len // LANES * LANES)
+  n_tiles = -(-cache_len // block_l)
+  splits = bs.num_splits if bs.num_splits is not None else (1 if b * hkv * n_q > 1 else 2)
+  bps, splits = _flash.split_geometry(n_tiles, splits)
+  return tq, n_q, rows, block_l, bps, splits
+
+
+def split_count(b, t, h, hkv, lc, bs) -> int:
+  """How many splits of L the Mosaic body runs for q [B, T, H, Dh], a cache of L = ``lc`` and
+  resolved block sizes ``bs`` (``bs.num_splits``, or when None 2 for a single program (both
+  TensorCores of a megacore chip) and 1 otherwise; clamped to the cache blocks and
+  ``_flash.MAX_SPLITS``)."""
+  return _geometry(b, t, h, hkv, lc, bs)[-1]
+
+
 def tree_attention_tpu(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *, scale, bs,
                        interpret):
   """Same contract as ``tree_attention``; ``bs`` is resolved (no None tiles). lens clipped to L."""
@@ -127,8 +151,9 @@ def tree_attention_tpu(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *, sc
   g = h // hkv
   dtype = k_cache.dtype
   itemsize = jnp.dtype(dtype).itemsize
-  tq, n_q, rows = _flash.query_tiling(t, g, bs.block_q, pow2=False,
-                                      row_multiple=16 if itemsize == 2 else 8)
+  tq, n_q, rows, block_l, bps, splits = _geometry(b, t, h, hkv, lc, bs,
+                                                  row_multiple=16 if itemsize == 2 else 8)
+  split_out = splits > 1
   w, hpg = lane_group(hkv, dh)
 
   # Cache viewed [B, L, Hkv * Dh]; a cache shorter than 128 rows (tiny models, prefill L = 0) is
@@ -138,8 +163,6 @@ def tree_attention_tpu(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *, sc
     kc = jnp.pad(kc, ((0, 0), (0, LANES - lc), (0, 0)))
     vc = jnp.pad(vc, ((0, 0), (0, LANES - lc), (0, 0)))
   cache_len = kc.shape[1]
-  block_l = min(bs.block_l, cache_len // LANES * LANES)
-  n_tiles = -(-cache_len // block_l)
 
   block_t = bs.block_t
   n_kb = -(-t // block_t)
@@ -154,13 +177,11 @@ def tree_attention_tpu(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *, sc
     qr = jnp.stack([jnp.pad(qr[:, k], ((0, 0),) * 3 + (((k % hpg) * dh, w - (k % hpg + 1) * dh),))
                     for k in range(hkv)], axis=1)
 
-  splits = bs.num_splits if bs.num_splits is not None else (1 if b * hkv * n_q > 1 else 2)
-  bps, splits = _flash.split_geometry(n_tiles, splits)
-  split_out = splits > 1
-
   def cache_map(i, k, qi, s, j, lens_ref):
-    last = jnp.maximum(lax.div(jnp.minimum(lens_ref[i], lc) + (block_l - 1), block_l) - 1, 0)
-    return i, jnp.minimum(s * bps + jnp.minimum(j, bps - 1), last), lax.div(k, hpg)
+    length = jnp.minimum(lens_ref[i], lc)
+    last = jnp.maximum(lax.div(length + (block_l - 1), block_l) - 1, 0)
+    share = jnp.maximum(_flash.row_split(length, splits, block_l), 1)
+    return i, jnp.minimum(s * share + jnp.minimum(j, share - 1), last), lax.div(k, hpg)
 
   def new_block(s, j):  # held at 0 outside split 0 and during the cache steps: no extra DMA
     return jnp.where(s == 0, jnp.clip(j - bps, 0, n_kb - 1), 0)
@@ -195,8 +216,8 @@ def tree_attention_tpu(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *, sc
                       pltpu.VMEM((rows, w), jnp.float32)],
   )
   need = vmem_bytes(rows, w, block_l, block_t, tqm, itemsize, split_out)
-  kernel = functools.partial(_kernel, scale=scale, g=g, tq=tq, bps=bps, block_l=block_l,
-                             cache_len=cache_len, split_out=split_out,
+  kernel = functools.partial(_kernel, scale=scale, g=g, tq=tq, bps=bps, splits=splits,
+                             block_l=block_l, cache_len=cache_len, split_out=split_out,
                              precision=_flash.dot_precision(dtype))
   outs = pl.pallas_call(
       kernel,

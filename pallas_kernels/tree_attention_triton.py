@@ -2,16 +2,20 @@
 
 Grid (B, Hkv, query tiles, S). Program (b, k, i, s) holds query tile i of kv head k (rows
 [M, Dh], see ``_flash.query_tiling``) and walks, with dynamic trip counts:
-  1. the cache blocks of split s below cache_lengths[b], read in place from the [B, L, Hkv, Dh]
-     layout (a strided [L, Dh] view, no copy): full blocks unmasked, then the one partial block
-     with masked loads (rows past the length are never read) and a masked score tile;
+  1. split s's share of row b's valid cache: the row's ceil(cache_lengths[b] / block_l) blocks
+     dealt out in order, ceil(blocks / S) per split (``_flash.row_split``: the split follows the
+     row's own length, so a short row in a long cache still spreads over the splits), read in
+     place from the [B, L, Hkv, Dh] layout (a strided [L, Dh] view, no copy): full blocks
+     unmasked, then the one partial block with masked loads (rows past the length are never
+     read) and a masked score tile;
   2. split 0 only: the step's own keys in blocks of block_t, also read in place (a partial last
      block is shifted back to end at T and its already-seen columns masked), under the tree mask.
      The mask stays at token granularity [B, n_q, tq, T'] int8 and each row gathers its token's
      mask row (row r -> token r // g); blocks where the whole tile is masked (the future of a
      causal prefill) are skipped.
 S > 1 (flash-decoding, for small B * Hkv * tiles): each split writes unnormalised (acc, m, den)
-in f32 and ``_flash.combine`` merges them. f32 operands use full-precision (IEEE) dots, not TF32.
+in f32 and ``_flash.combine`` merges them exactly (an empty split has den = 0, acc = 0 and drops
+out). S = 1 normalises in the kernel. f32 operands use full-precision (IEEE) dots, not TF32.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ _GPU_TARGET_PROGRAMS = 264  # ~2 waves of an H100/H200 (132 SMs): the auto split
 
 
 def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs, scale, g, tq,
-            block_l, block_t, split_len, cache_len, t_new, split_out, precision):
+            block_l, block_t, splits, cache_len, t_new, split_out, precision):
   # len_ref []; q_ref [M, Dh]; k_ref, v_ref [L, Dh]; kn_ref, vn_ref [T, Dh]; mask_ref [tq, T'] int8
   # out: o_ref [M, Dh], or acc_ref [M, Dh], m_ref [M, 1], l_ref [M, 1] (f32 split partials)
   s_id = pl.program_id(3)
@@ -38,9 +42,11 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, mask_ref, *out_refs, s
   rows, dh = q.shape
   update = functools.partial(_flash.online_update, q, scale=scale, precision=precision)
 
-  # 1. Cache keys [lo, hi) of this split.
+  # 1. Cache keys [lo, hi) of this split: this row's blocks dealt out over the splits.
+  length = jnp.minimum(len_ref[()], cache_len)
+  split_len = _flash.row_split(length, splits, block_l) * block_l
   lo = s_id * split_len
-  hi = jnp.minimum(jnp.minimum(len_ref[()], lo + split_len), cache_len)
+  hi = jnp.minimum(length, lo + split_len)
   n_keys = jnp.maximum(hi - lo, 0)
   n_full = lax.div(n_keys, block_l)
 
@@ -105,6 +111,26 @@ def _auto_splits(programs, n_tiles, lc, rows):
   return max(1, min(want, n_tiles, lc // (8 * rows)))
 
 
+def _geometry(b, t, h, hkv, lc, bs):
+  """(tq, n_q, rows, cache_len, tiles per split, splits) for resolved block sizes ``bs``."""
+  g = h // hkv
+  tq, n_q, rows = _flash.query_tiling(t, g, bs.block_q, pow2=True)
+  cache_len = lc if lc else bs.block_l  # L = 0: one dummy block (never read)
+  n_tiles = -(-cache_len // bs.block_l)
+  splits = bs.num_splits
+  if splits is None:
+    splits = _auto_splits(b * hkv * n_q, n_tiles, lc, rows)
+  tps, splits = _flash.split_geometry(n_tiles, splits)
+  return tq, n_q, rows, cache_len, tps, splits
+
+
+def split_count(b, t, h, hkv, lc, bs) -> int:
+  """How many splits of L the Triton body runs for q [B, T, H, Dh], a cache of L = ``lc`` and
+  resolved block sizes ``bs`` (``bs.num_splits``, or the automatic choice when None, clamped to
+  the cache blocks and ``_flash.MAX_SPLITS``)."""
+  return _geometry(b, t, h, hkv, lc, bs)[-1]
+
+
 def tree_attention_triton(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *, scale, bs,
                           interpret):
   """Same contract as ``tree_attention``; ``bs`` is resolved (no None tiles). lens clipped to L."""
@@ -112,7 +138,7 @@ def tree_attention_triton(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *,
   lc, hkv = k_cache.shape[1], k_cache.shape[2]
   g = h // hkv
   dtype = k_cache.dtype
-  tq, n_q, rows = _flash.query_tiling(t, g, bs.block_q, pow2=True)
+  tq, n_q, rows, cache_len, _, splits = _geometry(b, t, h, hkv, lc, bs)
   block_l, block_t = bs.block_l, bs.block_t
   n_kb = -(-t // block_t)
   qr = _flash.tile_queries(q.astype(dtype), hkv, tq, n_q, rows)  # [B, Hkv, n_q, M, Dh]
@@ -123,18 +149,12 @@ def tree_attention_triton(q, k_cache, v_cache, lens, k_new, v_new, tree_mask, *,
     vn = jnp.pad(vn, ((0, 0), (0, block_t - t), (0, 0), (0, 0)))
   t_new = kn.shape[1]
   if lc == 0:  # a zero-length cache (prefill): one dummy block, never read (lens are 0)
-    k_cache = v_cache = jnp.zeros((b, block_l, hkv, dh), dtype)
-  cache_len = k_cache.shape[1]
-  n_tiles = -(-cache_len // block_l)
-  splits = bs.num_splits
-  if splits is None:
-    splits = _auto_splits(b * hkv * n_q, n_tiles, lc, rows)
-  tps, splits = _flash.split_geometry(n_tiles, splits)
+    k_cache = v_cache = jnp.zeros((b, cache_len, hkv, dh), dtype)
   split_out = splits > 1
   num_warps = bs.num_warps if bs.num_warps is not None else (4 if rows <= 64 else 8)
   kernel = functools.partial(
       _kernel, scale=scale, g=g, tq=tq, block_l=block_l, block_t=block_t,
-      split_len=tps * block_l, cache_len=cache_len, t_new=t_new, split_out=split_out,
+      splits=splits, cache_len=cache_len, t_new=t_new, split_out=split_out,
       precision=_flash.dot_precision(dtype))
   in_specs = [
       pl.BlockSpec((None,), lambda i, k, j, s: (i,)),

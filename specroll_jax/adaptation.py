@@ -30,9 +30,9 @@ from jaxtyping import Array, Float, Int
 from specroll_jax import head_kinds
 from specroll_jax import reflex as _reflex
 from specroll_jax import slow_path as _slow
-from specroll_jax._fields import check_type
+from specroll_jax._fields import check_int, check_type
 from specroll_jax.proposers import HeadsProposer, Proposer
-from specroll_jax.proposers.reflex import ReflexProposer
+from specroll_jax.proposers.reflex_heads import ReflexProposer
 from specroll_jax.reflex import ReflexConfig, ReflexGlobal
 from specroll_jax.sampling import SamplingConfig
 from specroll_jax.slow_path import SlowPathConfig, SlowPathState
@@ -60,9 +60,7 @@ class AdaptationConfig:
   def __post_init__(self):
     check_type(self, "reflex", ReflexConfig)
     check_type(self, "slow", SlowPathConfig)
-    t = self.trainer_anchors
-    if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-      raise ValueError(f"AdaptationConfig.trainer_anchors must be an int >= 1, got {t!r}")
+    check_int(self, "trainer_anchors", 1)
     if self.records not in RECORD_SOURCES:
       raise ValueError(f"AdaptationConfig.records must be one of {RECORD_SOURCES}, got "
                        f"{self.records!r}")
@@ -148,60 +146,83 @@ def proposer(state: AdaptationState) -> tuple[Proposer, object]:
   cfg = state.config
   if cfg.static_heads or asleep(state):
     return heads_proposer(cfg, state.heads)
-  return ReflexProposer(cfg.reflex), (state.heads, state.reflex)
+  prop = ReflexProposer(cfg.reflex)
+  return prop, prop.params(state.heads, state.reflex)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptationReport:
+  """One batch of the adaptation, in plain numbers: batch (the state's counter before it),
+  rollout_seconds, head_acceptance (accepted / proposed per depth; NaN where nothing was
+  proposed), reflex (``reflex.ReflexSummary``; None with static heads), expected_by_nodes
+  (accepted nodes per row-step by node count, this batch's; () when none), safety (Reflex's
+  global safety per head after the batch), slow (the slow path's ``slow_path.BatchReport``; None
+  when it did not run) and adaptation_seconds (the host work of this call)."""
+
+  batch: int
+  rollout_seconds: float
+  head_acceptance: tuple[float, ...]
+  reflex: _reflex.ReflexSummary | None = None
+  expected_by_nodes: tuple[float, ...] = ()
+  safety: tuple[float, ...] = ()
+  slow: _slow.BatchReport | None = None
+  adaptation_seconds: float = 0.0
+
+  def to_dict(self) -> dict:
+    """Plain values for a JSON line."""
+    return dataclasses.asdict(self)
 
 
 def after_rollout(state: AdaptationState, model_config, params, rollout,
-                  rollout_seconds: float) -> tuple[AdaptationState, dict]:
-  """The state for the next batch, and a report of this batch in plain numbers: Reflex statistics
+                  rollout_seconds: float) -> tuple[AdaptationState, AdaptationReport]:
+  """The state for the next batch, and an ``AdaptationReport`` of this batch: Reflex statistics
   (correction rate, mean ratio, LCB, resets, records matured, ...), safety per head, the slow
   path's decision / refresh (kept or rolled back, seconds) and the host seconds spent here."""
   t0 = time.perf_counter()
   cfg = state.config
-  stats = rollout.stats.spec.proposer if rollout.stats.spec is not None else {}
-  report = {"batch": int(state.batches), "rollout_seconds": float(rollout_seconds)}
+  stats = rollout.stats.spec.proposer if rollout.stats.spec is not None else None
   acc = np.asarray(rollout.stats.head_acceptance, np.float64)
   proposed = np.asarray(rollout.stats.head_proposed)
   acc = np.where(proposed > 0, acc, np.nan)
-  report["head_acceptance"] = acc.tolist()
   glob, heads, slow = state.reflex, state.heads, state.slow
   expected = state.expected
+  summary, by_nodes, slow_report = None, (), None
   if asleep(state):  # the plain heads proposed: nothing of Reflex's to fold in
-    left = int(glob.sleep) - 1
-    report["reflex"] = {"asleep": True, "sleep_left": left}
+    summary = _reflex.summarize(None, asleep=True, sleep_left=int(glob.sleep) - 1)
     glob = glob.replace(sleep=glob.sleep - 1)
   elif not cfg.static_heads:
-    report["reflex"] = _reflex.summarize(stats)
     glob = _reflex.end_batch(cfg.reflex, glob, stats)
-    report["reflex"].update(asleep=False, sleep_left=int(glob.sleep))
+    summary = _reflex.summarize(stats, sleep_left=int(glob.sleep))
     n = int(stats.expected_n) if stats.expected_n is not None else 0
     if n > 0:  # a running mean over batches (equal weights: the estimates are calibrated)
       e = np.asarray(stats.expected, np.float64) / n
       b = int(state.batches)
       expected = jnp.asarray((np.asarray(expected) * b + e) / (b + 1), jnp.float32)
-      report["expected_by_nodes"] = e.tolist()
-  report["safety"] = np.asarray(glob.safety).tolist()
+      by_nodes = tuple(float(x) for x in e)
   if cfg.slow.mode != "off" and cfg.records == "rollout":
     records = rollout.proposer_state.records
     slow, heads, slow_report = _slow.after_batch(cfg.slow, slow, model_config, params, heads,
                                                  records, jnp.asarray(acc, jnp.float32),
                                                  float(rollout_seconds))
-    report["slow"] = slow_report
   jax.block_until_ready(jax.tree.leaves(heads))
-  report["adaptation_seconds"] = time.perf_counter() - t0
+  report = AdaptationReport(
+      batch=int(state.batches), rollout_seconds=float(rollout_seconds),
+      head_acceptance=tuple(float(a) for a in acc), reflex=summary, expected_by_nodes=by_nodes,
+      safety=tuple(float(x) for x in np.asarray(glob.safety)), slow=slow_report,
+      adaptation_seconds=time.perf_counter() - t0)
   return state.replace(heads=heads, reflex=glob, slow=slow, batches=state.batches + 1,
                        expected=expected), report
 
 
 def after_trainer(state: AdaptationState, model_config, params, records,
-                  rollout_report: dict) -> tuple[AdaptationState, dict]:
+                  rollout_report: AdaptationReport) -> tuple[AdaptationState, AdaptationReport]:
   """The slow path's step for ``AdaptationConfig.records == "trainer"``: after the rollout
   (``after_rollout``, which ran Reflex's end of batch) and the trainer's forward of it, merge
   ``records`` (``trainer_records.from_hidden`` / ``from_rollout`` of that batch, under the policy
   that rolled it out) into the reservoir, update the monitor with the batch's head acceptance and
   rollout seconds (from ``rollout_report``, the batch's ``Rollout.adaptation_report``) and refresh
-  the heads it names. Returns (state, report): the slow path's report plus the host seconds spent
-  here (``adaptation_seconds``)."""
+  the heads it names. Returns (state, report): ``rollout_report`` with the slow path's
+  ``BatchReport`` (``slow``) and the host seconds spent here (``adaptation_seconds``)."""
   t0 = time.perf_counter()
   if not isinstance(state, AdaptationState):
     raise ValueError(f"state must be an AdaptationState, got {type(state).__name__}")
@@ -212,14 +233,13 @@ def after_trainer(state: AdaptationState, model_config, params, records,
   if cfg.slow.mode == "off":
     raise ValueError("after_trainer: the slow path is off (SlowPathConfig.mode='off'): "
                      "nothing takes the records")
-  if not isinstance(rollout_report, dict) or "head_acceptance" not in rollout_report:
-    raise ValueError("rollout_report must be the batch's Rollout.adaptation_report (a dict with "
-                     "head_acceptance and rollout_seconds)")
-  acc = np.asarray([np.nan if a is None else a for a in rollout_report["head_acceptance"]],
-                   np.float32)
+  if not isinstance(rollout_report, AdaptationReport):
+    raise ValueError("rollout_report must be the batch's Rollout.adaptation_report (an "
+                     f"AdaptationReport), got {type(rollout_report).__name__}")
+  acc = np.asarray(rollout_report.head_acceptance, np.float32)
   slow, heads, report = _slow.after_batch(cfg.slow, state.slow, model_config, params, state.heads,
                                           records, jnp.asarray(acc),
-                                          float(rollout_report["rollout_seconds"]))
+                                          float(rollout_report.rollout_seconds))
   jax.block_until_ready(jax.tree.leaves(heads))
-  report["adaptation_seconds"] = time.perf_counter() - t0
-  return state.replace(heads=heads, slow=slow), report
+  return state.replace(heads=heads, slow=slow), dataclasses.replace(
+      rollout_report, slow=report, adaptation_seconds=time.perf_counter() - t0)

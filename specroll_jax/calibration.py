@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
+from specroll_jax.proposers.ranked import TreeStats
+
 
 @flax.struct.dataclass
 class Calibration:
@@ -35,11 +37,12 @@ class Calibration:
     t, h, p = (np.asarray(x, np.float64) for x in (self.tested, self.hit, self.prior))
     return ((h + self.strength * p) / (t + self.strength)).astype(np.float32)
 
-  def update(self, stats) -> Calibration:
-    """Fold one rollout's counts (``TreeStats`` or (tested, hit) arrays) in; older batches
-    weigh ``decay`` per batch."""
-    tested, hit = (stats.tested, stats.hit) if hasattr(stats, "tested") else stats
-    tested, hit = np.asarray(tested, np.float64), np.asarray(hit, np.float64)
+  def update(self, stats: TreeStats) -> Calibration:
+    """Fold one rollout's counts (a ranked proposer's ``TreeStats``: ``tested`` and ``hit`` per
+    bin) in; older batches weigh ``decay`` per batch."""
+    if not isinstance(stats, TreeStats):
+      raise ValueError(f"Calibration.update takes a TreeStats, got {type(stats).__name__}")
+    tested, hit = np.asarray(stats.tested, np.float64), np.asarray(stats.hit, np.float64)
     if tested.shape != (self.num_bins,) or hit.shape != (self.num_bins,):
       raise ValueError(f"Calibration has {self.num_bins} bins; got counts of shape "
                        f"{tested.shape} / {hit.shape}")

@@ -13,12 +13,13 @@ replaces. One writing process (or one orbax multi-host group) per directory.
 
 from __future__ import annotations
 
-import operator
 import os
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from specroll_jax._fields import int_arg
 
 _JSON_SCALARS = (str, int, float, bool, type(None))
 
@@ -83,16 +84,6 @@ def _flat(tree) -> tuple[dict, object]:
   return out, treedef
 
 
-def _check_step(step, name: str = "step") -> int:
-  try:
-    s = operator.index(step)
-  except TypeError:
-    raise ValueError(f"{name} must be an int >= 0, got {step!r}") from None
-  if isinstance(step, bool) or s < 0:
-    raise ValueError(f"{name} must be an int >= 0, got {step!r}")
-  return s
-
-
 class Checkpointer:
   """Saves and restores ``(state, meta)`` per training step in ``directory``, keeping the last k.
 
@@ -111,11 +102,8 @@ class Checkpointer:
       path = os.path.abspath(path)
       if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"directory={path!r} exists and is not a directory")
-    if max_to_keep is not None and (isinstance(max_to_keep, bool) or not isinstance(
-        max_to_keep, int) or max_to_keep < 1):
-      raise ValueError(f"max_to_keep must be None or an int >= 1, got {max_to_keep!r}")
-    if isinstance(save_every, bool) or not isinstance(save_every, int) or save_every < 1:
-      raise ValueError(f"save_every must be an int >= 1, got {save_every!r}")
+    max_to_keep = int_arg(max_to_keep, "max_to_keep", 1, optional=True)
+    save_every = int_arg(save_every, "save_every", 1)
     self._directory = path
     self._save_every = save_every
     options = ocp.CheckpointManagerOptions(
@@ -144,7 +132,7 @@ class Checkpointer:
     """Save ``state`` (pytree) and ``meta`` (JSON dict) as ``step`` when ``step % save_every == 0``
     or ``force``; returns whether a save was started. ``step`` must exceed ``latest_step()``.
     Arguments are validated before anything is written; the step appears atomically."""
-    step = _check_step(step)
+    step = int_arg(step, "step", 0)
     meta = {} if meta is None else meta
     if not isinstance(meta, dict):
       raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
@@ -168,7 +156,7 @@ class Checkpointer:
       raise ValueError(f"no complete checkpoint in {self._directory} to restore")
     if step is None:
       return steps[-1]
-    step = _check_step(step)
+    step = int_arg(step, "step", 0)
     if step not in steps:
       raise ValueError(
           f"step={step} is not a complete checkpoint in {self._directory}; saved steps: {steps}")

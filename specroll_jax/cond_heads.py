@@ -31,6 +31,7 @@ import optax
 from jaxtyping import Array, Float, Int
 
 from specroll_jax import sampling as _sampling
+from specroll_jax._fields import int_arg
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 
@@ -64,12 +65,9 @@ def init(key, config: ModelConfig, num_heads: int = 3, *, width: int | None = No
          scale: float | None = None) -> CondHeads:
   """K heads for ``config`` with MLP width Dff (default 2 D). Input weights ~ N(0, scale^2)
   (default 1/sqrt(D)); the output weights start at zero (each head starts as the identity)."""
-  if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-    raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+  num_heads = int_arg(num_heads, "num_heads", 1)
   d, dt = config.hidden_size, config.jnp_dtype
-  f = 2 * d if width is None else width
-  if isinstance(f, bool) or not isinstance(f, int) or f < 1:
-    raise ValueError(f"width must be an int >= 1, got {width!r}")
+  f = 2 * d if width is None else int_arg(width, "width", 1)
   s = d ** -0.5 if scale is None else scale
   kh, ke = jax.random.split(key)
   k = num_heads

@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from specroll_jax import buckets as _buckets
-from specroll_jax._fields import check_int, check_type
+from specroll_jax._fields import check_bool, check_int, check_type, float_arg, int_tuple
 from specroll_jax.kernels import Kernels
 from specroll_jax.sampling import SamplingConfig
 
@@ -47,11 +45,8 @@ class DecodeSettings:
     if not isinstance(self.kernels, Kernels):
       raise ValueError(f"DecodeSettings.kernels must be a Kernels (see Kernels.resolve), got "
                        f"{self.kernels!r}")
-    if not isinstance(self.return_hidden, bool):
-      raise ValueError(f"DecodeSettings.return_hidden must be a bool, got {self.return_hidden!r}")
-    if isinstance(self.pad_id, bool) or not isinstance(self.pad_id, (int, np.integer)):
-      raise ValueError(f"DecodeSettings.pad_id must be an int, got {self.pad_id!r}")
-    object.__setattr__(self, "pad_id", int(self.pad_id))
+    check_bool(self, "return_hidden")
+    check_int(self, "pad_id", None)
     object.__setattr__(self, "bucket_fractions", _buckets.check_fractions(
         self.bucket_fractions, "DecodeSettings.bucket_fractions"))
 
@@ -89,35 +84,31 @@ class SpecConfig:
   gate: tuple[float | None, ...] | None = None
 
   def __post_init__(self):
-    _int_at_least(self, "num_heads", 1)
-    _int_at_least(self, "node_budget", 0)
-    _int_at_least(self, "max_nodes", 0)
+    check_int(self, "num_heads", 1)
+    check_int(self, "node_budget", 0)
+    check_int(self, "max_nodes", 0)
     topk = self.topk
     if topk is None:
       topk = (DEFAULT_TOPK + (DEFAULT_TOPK[-1],) * self.num_heads)[: self.num_heads]
-    topk = tuple(topk)
-    if any(isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1 for k in topk):
-      raise ValueError(f"SpecConfig.topk entries must be ints >= 1, got {topk}")
+    topk = int_tuple(topk, "SpecConfig.topk", 1)
     if len(topk) != self.num_heads:
       raise ValueError(f"SpecConfig.topk has {len(topk)} entries {topk}, but num_heads="
                        f"{self.num_heads} (one entry per head)")
-    object.__setattr__(self, "topk", tuple(int(k) for k in topk))
+    object.__setattr__(self, "topk", topk)
     object.__setattr__(self, "bucket_fractions", _buckets.check_fractions(
         self.bucket_fractions, "SpecConfig.bucket_fractions"))
+    nb = len(self.bucket_fractions)
     if self.nodes is not None:
-      nodes = tuple(self.nodes)
-      if len(nodes) != len(self.bucket_fractions) or any(
-          isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0 for n in nodes):
-        raise ValueError(f"SpecConfig.nodes must hold one int >= 0 per bucket fraction "
-                         f"({len(self.bucket_fractions)}), got {self.nodes}")
-      object.__setattr__(self, "nodes", tuple(int(n) for n in nodes))
+      object.__setattr__(self, "nodes", int_tuple(
+          self.nodes, "SpecConfig.nodes", 0, length=nb, count=f"len(bucket_fractions)={nb}"))
     if self.gate is not None:
       gate = tuple(self.gate)
-      if len(gate) != len(self.bucket_fractions) or any(
-          g is not None and not (isinstance(g, (int, float)) and g >= 0) for g in gate):
+      if len(gate) != nb:
         raise ValueError(f"SpecConfig.gate must hold one None or number >= 0 per bucket fraction "
-                         f"({len(self.bucket_fractions)}), got {self.gate}")
-      object.__setattr__(self, "gate", tuple(None if g is None else float(g) for g in gate))
+                         f"({nb}), got {self.gate}")
+      object.__setattr__(self, "gate", tuple(
+          None if g is None else float_arg(g, f"SpecConfig.gate[{i}]", 0, allow_inf=True)
+          for i, g in enumerate(gate)))
 
   @classmethod
   def for_cpu(cls) -> SpecConfig:
@@ -158,7 +149,3 @@ class SpecConfig:
       return [(r, min(cap, self.nodes[i])) for r, i in kept]
     cap = self.max_nodes if capacity is None else min(self.max_nodes, capacity)
     return [(r, min(cap, self.node_budget // r)) for r, _ in kept]
-
-
-def _int_at_least(obj, name: str, lo: int) -> None:
-  check_int(obj, name, lo)

@@ -23,6 +23,8 @@ import time
 
 import jax
 
+from specroll_jax._fields import float_arg, int_arg
+
 _BACKOFF_S = 0.2
 
 
@@ -43,14 +45,9 @@ def parse_address(coordinator) -> tuple[str, int]:
 def check_args(coordinator, num_processes, process_id, timeout_s=60.0) -> tuple[str, int]:
   """ValueError naming the first bad argument; returns the coordinator's (host, port)."""
   host, port = parse_address(coordinator)
-  if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-    raise ValueError(f"num_processes must be an int >= 1, got {num_processes!r}")
-  if (isinstance(process_id, bool) or not isinstance(process_id, int)
-      or not 0 <= process_id < num_processes):
-    raise ValueError(f"process_id must be an int in [0, num_processes={num_processes}), got "
-                     f"{process_id!r}")
-  if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or not timeout_s >= 1:
-    raise ValueError(f"timeout_s must be a number >= 1 (seconds), got {timeout_s!r}")
+  n = int_arg(num_processes, "num_processes", 1)
+  int_arg(process_id, f"process_id (num_processes={n})", 0, n - 1)
+  float_arg(timeout_s, "timeout_s (seconds)", 1, allow_inf=True)
   return host, port
 
 

@@ -26,12 +26,11 @@ import functools
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jaxtyping import Array, Int, UInt32
 
 from specroll_jax import speculative as _spec
 from specroll_jax import vanilla as _vanilla
-from specroll_jax._fields import check_type
+from specroll_jax._fields import check_type, int_arg
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.kernels import Kernels
 from specroll_jax.models import decoder as _dec
@@ -73,9 +72,7 @@ class PromptBatch:
 
 def check_seed(seed) -> None:
   """ValueError unless ``seed`` is an int in [0, 2**32) (the noise's uint32 seed)."""
-  if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer) or not (
-      0 <= int(seed) < 2**32):
-    raise ValueError(f"seed must be an int in [0, 2**32), got {seed!r}")
+  int_arg(seed, "seed", 0, 2**32 - 1)
 
 
 def _settings(sampling, max_new_tokens, cache_length, kernels, **kw) -> DecodeSettings:

@@ -3,11 +3,27 @@ last-number answers)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class Accuracy:
+  """n examples; accuracy_strict: the share whose "#### N" line holds the gold answer;
+  accuracy_flexible: the share whose last number is the gold answer."""
+
+  n: int
+  accuracy_strict: float
+  accuracy_flexible: float
+
+  def to_dict(self) -> dict:
+    """Plain values for a JSON file."""
+    return dataclasses.asdict(self)
+
+
 def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
-             batch_size: int = 32, sampling=None, seed: int = 0) -> dict:
+             batch_size: int = 32, sampling=None, seed: int = 0) -> Accuracy:
   """Accuracy on ``examples`` (objects with ``question`` and ``gold``), one response each: greedy,
   or sampled with ``sampling`` (a ``SamplingConfig``; sample id = the example's index, ``seed``,
   so the same call gives the same responses). Prompts padded to one width (one compile)."""
@@ -37,16 +53,16 @@ def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
       text = tok.decode(out[row, : out_lens[row]].tolist())
       strict += rewards.gsm8k_reward(text, e.gold)
       flexible += rewards.gsm8k_reward(text, e.gold, mode="flexible")
-  return {"n": len(exs), "accuracy_strict": strict / len(exs),
-          "accuracy_flexible": flexible / len(exs)}
+  return Accuracy(n=len(exs), accuracy_strict=strict / len(exs),
+                  accuracy_flexible=flexible / len(exs))
 
 
 def gsm8k_accuracy(config, params, tok, *, n: int = 64, max_new_tokens: int = 192,
-                   batch_size: int = 32) -> dict:
+                   batch_size: int = 32) -> Accuracy:
   """Greedy GSM8K test accuracy (strict '#### N' and flexible last-number) on the first n."""
   from specroll_jax.data import gsm8k
   return accuracy(config, params, tok, gsm8k.load("test")[:n], max_new_tokens=max_new_tokens,
                   batch_size=batch_size)
 
 
-__all__ = ["accuracy", "gsm8k_accuracy"]
+__all__ = ["Accuracy", "accuracy", "gsm8k_accuracy"]

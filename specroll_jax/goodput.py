@@ -5,9 +5,10 @@ Two measured facts decide how many nodes a bucket verifies:
 
 * cost: the seconds of one engine step for a bucket of R rows with n nodes per row, on this
   machine, model and proposer (the verify forward, the proposal and the bookkeeping), measured once
-  (``measure_cost``, cached on disk keyed by everything the timing depends on) into a
-  ``CostModel``. On a CPU a verify forward is compute-bound and the cost grows with R x (n + 1);
-  on a GPU it is flat up to the ridge point, so the same rule grows trees there.
+  at three (R, n) points, one compiled program each (``measure_cost``, cached on disk keyed by
+  everything the timing depends on), and fitted (``fit_cost``) into a ``CostModel``. On a CPU a
+  verify forward is compute-bound and the cost grows with R x (n + 1); on a GPU it is flat up to
+  the ridge point, so the same rule grows trees there.
 * acceptance: the expected accepted nodes per row-step with the best n candidates, from the
   calibrated estimates of a ranked proposer (``proposers.ranked.TreeStats.expected``), carried
   from the previous batches.
@@ -28,7 +29,6 @@ import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specroll_jax import buckets as _buckets
@@ -149,24 +149,97 @@ def choose(cost: CostModel, expected, batch: int, spec: SpecConfig, *, capacity:
                              gate=tuple(gates) if gated else None), tuple(why)
 
 
+def measured_points(rows, node_counts) -> tuple[tuple[int, int], ...]:
+  """The (rows, n) steps ``measure_cost`` times, one compiled program each (at most 3): the
+  plain step and the largest tree at the most rows, and the plain step at the fewest rows
+  (each only where it differs from the first)."""
+  rows, nodes = [int(r) for r in rows], [0, *(int(n) for n in node_counts)]
+  most, fewest, largest = max(rows), min(rows), max(nodes)
+  points = [(most, 0)]
+  if largest > 0:
+    points.append((most, largest))
+  if fewest < most:
+    points.append((fewest, 0))
+  return tuple(points)
+
+
+def fit_cost(rows, node_counts, measured, machine: str = "") -> CostModel:
+  """The ``CostModel`` over ``rows`` x ``node_counts`` of the step cost
+
+      cost(R, n) = a + R (b + c n)
+
+  through the seconds ``measured[(R, n)]`` at the ``measured_points``. A step costs a fixed part
+  a (dispatch, the loop, work shared by the rows) and a part per row, affine in the tokens the
+  row verifies: b for the root, c per tree node. Compute-bound (a CPU) the per-row part
+  dominates and c is of the order of b; memory-bound (a GPU below its ridge point) the cost is
+  flat in n and c is about 0. The plain step at the most and the fewest rows gives a and b, the
+  largest tree at the most rows gives c; the fit passes through all three. Smaller trees lie on
+  the line in n; a tree at fewer rows costs c per node and row more than the plain step there (a
+  fixed cost a tree adds per step is read as per row, so there it is underestimated). A reading
+  that noise put outside the model's range is clamped: c >= 0 (a tree never costs less than the
+  plain step), and the plain step at the fewest rows lies between flat in rows (b = 0) and in
+  proportion to them (a = 0). With one row count the cost is taken in proportion to rows
+  (a = 0). So the cost is > 0 and non-decreasing in n and in rows."""
+  rows = tuple(sorted({int(r) for r in rows}, reverse=True))
+  nodes = tuple(sorted({0, *(int(n) for n in node_counts)}))
+  points = measured_points(rows, nodes)
+  missing = [p for p in points if p not in measured]
+  if missing:
+    raise ValueError(f"fit_cost needs the seconds at {points}, missing {missing}")
+  sec = {p: float(measured[p]) for p in points}
+  if not all(np.isfinite(s) and s > 0 for s in sec.values()):
+    raise ValueError(f"measured seconds must be finite and > 0, got {sec}")
+  most, plain = points[0][0], sec[points[0]]
+  tree = points[1] if len(points) > 1 and points[1][1] > 0 else None
+  c = max(0.0, (sec[tree] - plain) / (most * tree[1])) if tree else 0.0
+  a, b = 0.0, plain / most  # in proportion to rows
+  if rows[-1] < most:
+    few = sec[(rows[-1], 0)]
+    if few >= plain:  # no cheaper with fewer rows: flat
+      a, b = plain, 0.0
+    elif few * most > plain * rows[-1]:  # between flat and in proportion
+      b = (plain - few) / (most - rows[-1])
+      a = plain - most * b
+  table = [[a + r * (b + c * n) for n in nodes] for r in rows]
+  return CostModel(rows=rows, node_counts=nodes, seconds=table, machine=machine)
+
+
+_CACHE_VERSION = 2  # 2: fitted from measured_points (1: every rows x n measured)
+
+
 def _cache_key(config, proposer, settings: DecodeSettings, rows, node_counts, prompt_width):
   from specroll_jax import _machine
-  key = json.dumps([repr(config), repr(proposer), repr(settings), list(rows), list(node_counts),
-                    int(prompt_width), jax.__version__, jax.devices()[0].device_kind,
-                    _machine.cpu_model(), platform.machine()])
+  key = json.dumps([_CACHE_VERSION, repr(config), repr(proposer), repr(settings), list(rows),
+                    list(node_counts), int(prompt_width), jax.__version__,
+                    jax.devices()[0].device_kind, _machine.cpu_model(), platform.machine()])
   return hashlib.sha1(key.encode()).hexdigest()[:16]
+
+
+def _start_or_steps(engine, count, params, proposer_params, state, batch, fresh):
+  """The state after the prefill of ``batch`` where ``fresh``, else ``count`` steps of ``state``
+  (one program: only the branch taken runs). The result's leaves are strongly typed, as host
+  arrays are, so that the state it returns calls the same program again."""
+  out = jax.lax.cond(fresh, lambda: engine.start(params, proposer_params, batch),
+                     lambda: engine.steps(params, proposer_params, state, batch, count=count))
+  return jax.tree.map(lambda x: jax.lax.convert_element_type(x, x.dtype), out)
 
 
 def measure_cost(config, params, proposer, proposer_params, prompts, prompt_lengths, *,
                  settings: DecodeSettings, rows, node_counts=DEFAULT_NODE_COUNTS, steps: int = 8,
                  repeats: int = 3, cache_dir: Path | str | None = None,
                  progress: bool = True) -> CostModel:
-  """Time one engine step for every (rows, n) with this proposer (``prompts``: a padded [B, P]
-  array of representative prompts with their ``prompt_lengths`` [B], reused cyclically to fill
-  ``rows``), median of ``repeats``
-  timed loops of ``steps`` steps each, compile excluded. Cached as JSON in ``cache_dir``
-  (default ``<cache>/cost``) under a key of everything the timing depends on (model config,
-  proposer settings, decode settings, shapes, jax version, device and CPU model)."""
+  """The step cost of this proposer over ``rows`` x ``node_counts``, fitted (``fit_cost``) from
+  one engine step timed at each of the ``measured_points``: at most 3 compiled programs, one per
+  point (``prompts``: a padded [B, P] array of representative prompts with their
+  ``prompt_lengths`` [B], reused cyclically to fill the rows). The first point at a row count
+  compiles the prefill and a loop of ``steps`` steps behind a ``lax.cond`` (one call prefills,
+  the others run the loop from the state after the prefill); the other point at that row count
+  compiles the loop alone and runs it from the same state. Each time is the median of
+  ``repeats`` loops, compile and prefill excluded. No other program compiles (the inputs are
+  host arrays). Cached as JSON in ``cache_dir`` (default ``<cache>/cost``) under a key of
+  everything the timing depends on (model config, proposer settings, decode settings, shapes,
+  jax version, device and CPU model)."""
+  from specroll_jax import _machine
   from specroll_jax import cache as _cache
   from specroll_jax.engines import PromptBatch, SpecEngine
   from specroll_jax.progress import progress_iter
@@ -182,34 +255,38 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
   if lengths.shape != (len(prompts),) or (lengths < 1).any() or (lengths > prompts.shape[1]).any():
     raise ValueError(f"prompt_lengths must be [{len(prompts)}] ints in [1, {prompts.shape[1]}], "
                      f"got {lengths}")
-  table = np.zeros((len(rows), len(node_counts)))
-  grid = [(i, j) for i in range(len(rows)) for j in range(len(node_counts))]
-  started = {}  # rows -> (batch, the state after the prefill): the same for every n
-  for i, j in progress_iter(grid, "measure step cost", enabled=progress):
-    r, n = rows[i], node_counts[j]
+  measured, started = {}, {}  # started: rows -> (batch, the state after the prefill)
+  for r, n in progress_iter(measured_points(rows, node_counts), "measure step cost",
+                            enabled=progress):
     engine = SpecEngine(config, settings, proposer, SpecConfig(bucket_fractions=(1.0,), nodes=(n,)))
-    if r not in started:
+    if r in started:  # the prefill's state does not depend on n: the loop alone
+      batch, state = started[r]
+      call = functools.partial(jax.jit(functools.partial(engine.steps, count=steps)), params,
+                               proposer_params, batch=batch)
+    else:
       sel = np.arange(r) % len(prompts)
-      batch = PromptBatch(tokens=jnp.asarray(prompts[sel]), lengths=jnp.asarray(lengths[sel]),
-                          sample_ids=jnp.arange(r, dtype=jnp.int32),
-                          eos_ids=jnp.asarray([-1], jnp.int32), seed=jnp.uint32(0))
-      started[r] = batch, jax.jit(engine.start)(params, proposer_params, batch)
-    batch, state = started[r]
-    loop = jax.jit(functools.partial(engine.steps, count=steps))
-    jax.block_until_ready(loop(params, proposer_params, state, batch))  # compile
+      batch = PromptBatch(tokens=prompts[sel], lengths=lengths[sel],
+                          sample_ids=np.arange(r, dtype=np.int32),
+                          eos_ids=np.asarray([-1], np.int32), seed=np.uint32(0))
+      shapes = jax.eval_shape(engine.start, params, proposer_params, batch)
+      blank = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+      run = jax.jit(functools.partial(_start_or_steps, engine, steps))
+      state = run(params, proposer_params, blank, batch=batch, fresh=np.bool_(True))  # compile
+      started[r] = batch, state
+      call = functools.partial(run, params, proposer_params, batch=batch, fresh=np.bool_(False))
+    jax.block_until_ready(call(state))  # compile (the loop alone), warm
     times = []
     for _ in range(repeats):
       t0 = time.perf_counter()
-      jax.block_until_ready(loop(params, proposer_params, state, batch))
+      jax.block_until_ready(call(state))
       times.append((time.perf_counter() - t0) / steps)
-    table[i, j] = float(np.median(times))
-  from specroll_jax import _machine
-  model = CostModel(rows=rows, node_counts=node_counts, seconds=tuple(map(tuple, table)),
-                    machine=_machine.cpu_model())
+    measured[(r, n)] = float(np.median(times))
+  model = fit_cost(rows, node_counts, measured, machine=_machine.cpu_model())
   folder.mkdir(parents=True, exist_ok=True)
   from specroll_jax.models.hf import atomic_write
   atomic_write(file, lambda tmp: Path(tmp).write_text(model.to_json()))
   return model
 
 
-__all__ = ["DEFAULT_NODE_COUNTS", "BucketChoice", "CostModel", "choose", "measure_cost"]
+__all__ = ["DEFAULT_NODE_COUNTS", "BucketChoice", "CostModel", "choose", "fit_cost",
+           "measure_cost", "measured_points"]

@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from jaxtyping import Array, Float
 
+from specroll_jax._fields import int_arg
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 
@@ -41,8 +42,7 @@ class Heads:
 def init(key, config: ModelConfig, num_heads: int = 3, *, scale: float = 0.0) -> Heads:
   """K heads for ``config``. ``scale`` = 0 gives the zero init (each head starts as the identity);
   ``scale`` > 0 draws W, b ~ N(0, scale^2) (random, untrained heads)."""
-  if not isinstance(num_heads, int) or num_heads < 1:
-    raise ValueError(f"num_heads must be an int >= 1, got {num_heads!r}")
+  num_heads = int_arg(num_heads, "num_heads", 1)
   d, dt = config.hidden_size, config.jnp_dtype
   kw, kb = jax.random.split(key)
   w = scale * jax.random.normal(kw, (num_heads, d, d), jnp.float32)

@@ -14,6 +14,7 @@ import functools
 import jax
 
 from pallas_kernels import tree_attention as _ta
+from specroll_jax._fields import check_bool
 
 CHOICES = ("auto", "reference", "pallas", "pallas_interpret")
 _IMPLS = ("reference", "pallas")
@@ -35,8 +36,7 @@ class Kernels:
       v = getattr(self, name)
       if v not in _IMPLS:
         raise ValueError(f"Kernels.{name} must be one of {_IMPLS}, got {v!r}")
-    if not isinstance(self.interpret, bool):
-      raise ValueError(f"Kernels.interpret must be a bool, got {self.interpret!r}")
+    check_bool(self, "interpret")
 
   @classmethod
   def resolve(cls, kernels: str | Kernels = "auto") -> Kernels:

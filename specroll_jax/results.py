@@ -4,13 +4,17 @@ entries return them from inside a caller's ``jit`` / ``shard_map`` unchanged."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
+
+if TYPE_CHECKING:  # (these modules import this one)
+  from specroll_jax.adaptation import AdaptationReport, AdaptationState
+  from specroll_jax.reports import SpecRollReport
 
 
 class Summed:
@@ -31,7 +35,7 @@ class SpecStats:
   active_trace: Int[Array, " F"]  # active rows at verify forward f (f < target_forwards; 0 after)
   bucket_forwards: Int[Array, " S"]  # verify forwards run in each (rows, N) bucket
   skipped: Int[Array, ""] = 0  # gated steps (``SpecConfig.gate``) that ran the plain decode step
-  proposer: Any = None  # the proposer's own statistics (``Proposer.update``), summed
+  proposer: PyTree | None = None  # the proposer's own statistics (``Proposer.update``), summed
 
 
 @flax.struct.dataclass
@@ -89,11 +93,12 @@ class Rollout:
   logprobs: Float[Array, "B M"]  # logprob of each token under the sampling distribution, 0 after
   stats: RolloutStats
   hidden: Float[Array, "B M D"] | None = None  # pre-norm hidden at the anchor before token j
-  proposer_state: Any = None  # the proposer's shared (not per-row) state at the end, e.g. records
-  adaptation: Any = None  # the adaptation state after this rollout (when one was passed in)
-  adaptation_report: dict | None = flax.struct.field(pytree_node=False, default=None)
+  proposer_state: PyTree | None = None  # the proposer's shared (not per-row) state at the end
+  # the adaptation state after this rollout and its report (when one was passed in; deprecated)
+  adaptation: AdaptationState | None = None
+  adaptation_report: AdaptationReport | None = flax.struct.field(pytree_node=False, default=None)
   # ``SpecRoll.generate``'s ``SpecRollReport`` of this batch (host numbers; None elsewhere)
-  report: Any = flax.struct.field(pytree_node=False, default=None)
+  report: SpecRollReport | None = flax.struct.field(pytree_node=False, default=None)
 
   def decode(self, tokenizer, *, keep_eos: bool = False) -> list[str]:
     """Each row's response as text (cut at its length; a sampled EOS dropped unless

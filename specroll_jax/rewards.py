@@ -6,6 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from specroll_jax._fields import float_arg
 from specroll_jax.data import gsm8k
 
 
@@ -18,8 +19,7 @@ def gsm8k_reward(
   ``gsm8k.normalize_number`` form ("5" == "5.0", "1,234" == "1234"). ``format_weight`` is added
   when the completion has a well-formed "#### N" line, so the maximum is ``1 + format_weight``.
   """
-  if not format_weight >= 0.0:
-    raise ValueError(f"format_weight must be >= 0, got {format_weight!r}")
+  format_weight = float_arg(format_weight, "format_weight", 0)
   if mode not in gsm8k.EXTRACT_MODES:
     raise ValueError(f"mode must be one of {gsm8k.EXTRACT_MODES}, got {mode!r}")
   gold_norm = gsm8k.normalize_number(gold)
@@ -28,7 +28,7 @@ def gsm8k_reward(
   pred = gsm8k.extract_answer(completion, mode)
   reward = 1.0 if pred == gold_norm else 0.0
   if format_weight and gsm8k.has_answer_line(completion):
-    reward += float(format_weight)
+    reward += format_weight
   return reward
 
 

@@ -27,6 +27,8 @@ import numpy as np
 
 from specroll_jax import head_kinds
 from specroll_jax import speculative as _spec
+from specroll_jax._fields import int_arg
+from specroll_jax._fields import is_int as _is_int
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
@@ -78,10 +80,6 @@ class PreparedBatch:
     return PromptBatch.from_prepared(self, seed)
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_lengths=None,
                   sample_ids=None, eos_ids=None, cache_length: int | None = None,
                   allow_duplicate_sample_ids: bool = False) -> PreparedBatch:
@@ -93,8 +91,7 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
   Duplicate ``sample_ids`` are refused (two rows with the same prompt and id would get the same
   response) unless ``allow_duplicate_sample_ids``.
   """
-  if not _is_int(max_new_tokens) or max_new_tokens <= 0:
-    raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+  max_new_tokens = int_arg(max_new_tokens, "max_new_tokens", 1)
   if isinstance(prompts, (np.ndarray, jax.Array)):
     arr = np.asarray(prompts)
     if arr.ndim != 2:

@@ -32,6 +32,7 @@ from pallas_kernels.counter_hash import (
 )
 from pallas_kernels.fused_sampler import fused_sample
 from specroll_jax import _topk
+from specroll_jax._fields import check_float, check_int, int_arg
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models import decoder as _dec
 
@@ -55,8 +56,7 @@ def group_sample_ids(prompt_indices, group_size: int):
   member i of global prompt p has sample id ``p * group_size + i``; rows come prompt-major
   ([P] indices -> [P * G] ids). numpy in, numpy out; a jax array (or tracer) in, jnp out, in the
   indices' dtype."""
-  if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-    raise ValueError(f"group_size must be an int >= 1, got {group_size!r}")
+  group_size = int_arg(group_size, "group_size", 1)
   xp = jnp if isinstance(prompt_indices, jax.Array) else np
   idx = xp.asarray(prompt_indices)
   return (idx[:, None] * group_size + xp.arange(group_size, dtype=idx.dtype)[None]).reshape(-1)
@@ -76,14 +76,9 @@ class SamplingConfig:
   top_p: float = 1.0
 
   def __post_init__(self):
-    t = self.temperature
-    if not isinstance(t, (int, float)) or t != t or t < 0 or t == float("inf"):
-      raise ValueError(f"SamplingConfig.temperature must be a finite number >= 0, got {t!r}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"SamplingConfig.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
-    p = self.top_p
-    if not isinstance(p, (int, float)) or not (0.0 < p <= 1.0):
-      raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {p!r}")
+    check_float(self, "temperature", 0)
+    check_int(self, "top_k", 0)  # 0: off
+    check_float(self, "top_p", 0, 1, lo_open=True)
 
   @property
   def greedy(self) -> bool:

@@ -182,7 +182,7 @@ def build_model(path, config_fn, sft: SFTConfig, *, progress: bool = True,
   if eval_examples and "accuracy_strict" not in metrics:
     config, params = models.load_pretrained(path)
     metrics.update(evaluation.gsm8k_accuracy(config, params, Tokenizer.from_pretrained(path),
-                                     n=eval_examples))
+                                             n=eval_examples).to_dict())
     _write_json_atomic(path / "metrics.json", metrics)
   return path
 

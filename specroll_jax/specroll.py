@@ -33,7 +33,6 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,7 @@ from specroll_jax import executables as _exe
 from specroll_jax import goodput as _goodput
 from specroll_jax import specroll_fold as _fold
 from specroll_jax import store as _store
-from specroll_jax._fields import check_int, check_type
+from specroll_jax._fields import check_float, check_int, check_type, int_tuple
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
@@ -73,8 +72,6 @@ from specroll_jax.specroll_state import (
   place,
   with_table,
 )
-
-PyTree = Any
 
 # Reflex as the default object runs it: on the root-conditioned heads, no records in the decode
 # loop (the slow path draws them from the rollout's hidden states), asleep for 3 batches after a
@@ -182,20 +179,14 @@ class SpecRoll:
     if self.eos_ids is None:
       object.__setattr__(self, "eos_ids", tuple(self.config.eos_token_ids))
     object.__setattr__(self, "eos_ids", tuple(int(e) for e in self.eos_ids))
-    nodes = tuple(self.cost_nodes)
-    if not nodes or nodes[0] != 0 or list(nodes) != sorted(set(nodes)) or any(
-        isinstance(n, bool) or not isinstance(n, int) for n in nodes):
+    nodes = int_tuple(self.cost_nodes, "SpecRoll.cost_nodes", 0)
+    if not nodes or nodes[0] != 0 or list(nodes) != sorted(set(nodes)):
       raise ValueError(f"SpecRoll.cost_nodes must be ints ascending from 0, got {self.cost_nodes}")
     object.__setattr__(self, "cost_nodes", nodes)
     Kernels.resolve(self.kernels)
-    if self.prompt_width is not None:
-      check_int(self, "prompt_width", 1)
-    for name in ("calibration_strength", "calibration_decay"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int | float) or not (
-          v > 0 if name == "calibration_strength" else 0 <= v <= 1):
-        lim = "> 0" if name == "calibration_strength" else "in [0, 1]"
-        raise ValueError(f"SpecRoll.{name} must be a number {lim}, got {v!r}")
+    check_int(self, "prompt_width", 1, optional=True)
+    check_float(self, "calibration_strength", 0, lo_open=True, allow_inf=True)
+    check_float(self, "calibration_decay", 0, 1)
 
   # -- the proposers this object runs
 

@@ -42,7 +42,8 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
   tree = stats.tree if isinstance(stats, MergedReflexStats) else stats
   cal, expected = state.calibration, state.expected
   if isinstance(tree, TreeStats) and cal is not None:
-    cal = cal.update((distributed.all_sum(tree.tested), distributed.all_sum(tree.hit)))
+    cal = cal.update(tree.replace(tested=distributed.all_sum(tree.tested),
+                                  hit=distributed.all_sum(tree.hit)))
     steps = int(distributed.all_sum(tree.row_steps))
     if steps > 0:
       e = distributed.all_sum(np.asarray(tree.expected, np.float64)) / steps
@@ -119,11 +120,10 @@ def slow_path(sr, params, adapt, batch, out, seconds, seed):
     slow = slow.replace(monitor=m.replace(**{k: jnp.float32(distributed.all_max(getattr(m, k)))
                                              for k in ("refresh_seconds",
                                                        "last_refresh_seconds")}))
-  report = SlowReport(decision=rep["decision"], heads=tuple(rep["heads"]),
-                      kept=tuple(rep["kept"]), rolled_back=tuple(rep["rolled_back"]),
-                      refresh_seconds=float(rep["refresh_seconds"]),
-                      compile_seconds=float(rep["compile_seconds"]))
-  return adapt.replace(slow=slow, heads=heads), report, tuple(int(c) for c in rep["records"])
+  report = SlowReport(decision=rep.decision, heads=rep.heads, kept=rep.kept,
+                      rolled_back=rep.rolled_back, refresh_seconds=rep.refresh_seconds,
+                      compile_seconds=rep.compile_seconds)
+  return adapt.replace(slow=slow, heads=heads), report, rep.records
 
 
 def tau(out: Rollout) -> float:

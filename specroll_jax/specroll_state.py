@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, PyTree
 
 from specroll_jax import adaptation as _adapt
 from specroll_jax import calibration as _cal
@@ -21,8 +20,6 @@ from specroll_jax import store as _store
 from specroll_jax.config import SpecConfig
 from specroll_jax.proposers import Proposer
 from specroll_jax.rollout import PreparedBatch
-
-PyTree = Any
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +102,7 @@ class Plan:
 class Mapped:
   """An engine whose parameters come through ``params_from`` inside its compiled program."""
 
-  engine: Any
+  engine: Callable
   params_from: Callable
 
   def __call__(self, params, *rest):

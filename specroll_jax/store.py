@@ -27,6 +27,8 @@ import flax.struct
 import numpy as np
 from jaxtyping import Array, Int
 
+from specroll_jax._fields import int_arg
+
 
 def fingerprint(tokens) -> int:
   """A 63-bit fingerprint of a prompt's token ids."""
@@ -44,12 +46,10 @@ class ResponseStore:
 
   def __init__(self, *, vocab_size: int, per_prompt: int = 4, max_tokens: int = 256,
                max_prompts: int = 100_000):
-    for name, v, lo in (("vocab_size", vocab_size, 1), ("per_prompt", per_prompt, 1),
-                        ("max_tokens", max_tokens, 1), ("max_prompts", max_prompts, 1)):
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"ResponseStore.{name} must be an int >= {lo}, got {v!r}")
-    self.vocab_size, self.per_prompt = int(vocab_size), int(per_prompt)
-    self.max_tokens, self.max_prompts = int(max_tokens), int(max_prompts)
+    self.vocab_size = int_arg(vocab_size, "ResponseStore.vocab_size", 1)
+    self.per_prompt = int_arg(per_prompt, "ResponseStore.per_prompt", 1)
+    self.max_tokens = int_arg(max_tokens, "ResponseStore.max_tokens", 1)
+    self.max_prompts = int_arg(max_prompts, "ResponseStore.max_prompts", 1)
     self._fp: dict[int, int] = {}
     self._resp: OrderedDict[int, deque] = OrderedDict()
 

@@ -31,6 +31,8 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import tensorstore as ts
 
+from specroll_jax._fields import check_int, int_arg
+
 FORMAT_VERSION = 1
 DEFAULT_SCALARS = (("step", "int64"), ("tau", "float32"))
 _ATTR = "specroll_trace"
@@ -50,10 +52,7 @@ class TraceSpec:
 
   def __post_init__(self):
     for name in ("batch", "prompt_len", "max_new"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-      object.__setattr__(self, name, int(v))
+      check_int(self, name, 1)
     pairs = self.scalars.items() if isinstance(self.scalars, Mapping) else self.scalars
     out = []
     for pair in pairs:
@@ -272,11 +271,9 @@ class TraceWriter(_TraceHandle):
     next ``append`` writes step ``num_steps``. Not atomic for readers: one that still holds the
     old count may read rewritten rows until its next ``refresh()``."""
     self._check_open()
-    if isinstance(num_steps, bool) or not isinstance(num_steps, int | np.integer) or not (
-        0 <= num_steps <= self._num_steps):
-      raise ValueError(f"num_steps must be an int in [0, {self._num_steps}], got {num_steps!r}")
-    _write_header(self._kv, self._spec, int(num_steps))
-    self._num_steps = int(num_steps)
+    num_steps = int_arg(num_steps, "num_steps", 0, self._num_steps)
+    _write_header(self._kv, self._spec, num_steps)
+    self._num_steps = num_steps
 
   def close(self) -> None:
     """Trim every array to num_steps rows (deleting chunks past them). Idempotent."""

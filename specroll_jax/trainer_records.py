@@ -39,6 +39,7 @@ from jaxtyping import Array, Float, Int
 
 from specroll_jax import _topk, head_kinds
 from specroll_jax import records as _records
+from specroll_jax._fields import int_arg
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers.base import Target
@@ -127,9 +128,7 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
   if not isinstance(cfg, ReflexConfig):
     raise ValueError(f"cfg must be a ReflexConfig, got {type(cfg).__name__}")
   head_kinds.validate(config, heads, cfg.num_heads)
-  if isinstance(num_anchors, bool) or not isinstance(num_anchors, int | np.integer) \
-      or num_anchors < 1:
-    raise ValueError(f"num_anchors must be an int >= 1, got {num_anchors!r}")
+  num_anchors = int_arg(num_anchors, "num_anchors", 1)
   if hidden.ndim != 3 or hidden.shape[-1] != config.hidden_size:
     raise ValueError(f"hidden must be [B, M, D={config.hidden_size}], got shape "
                      f"{tuple(hidden.shape)}")

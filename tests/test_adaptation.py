@@ -60,11 +60,11 @@ def test_reflex_and_slow_path_never_change_tokens(trained_model, gsm8k_prompts, 
     assert lens.min() < 40  # EOS inside trees: some rows end early
     assert int(np.asarray(out.stats.spec.bucket_forwards)[1]) > 0  # compacted into bucket 2
     rep = out.adaptation_report
-    corrected += sum(rep["reflex"]["correction_rate"]) > 0
-    refreshed += len(rep["slow"]["heads"]) > 0
+    corrected += sum(rep.reflex.correction_rate) > 0
+    refreshed += len(rep.slow.heads) > 0
     new = out.adaptation
     assert int(new.batches) == batch + 1
-    if rep["slow"]["kept"]:
+    if rep.slow.kept:
       assert any(not np.array_equal(np.asarray(a), np.asarray(b))
                  for a, b in zip(jax.tree.leaves(state.heads), jax.tree.leaves(new.heads),
                                  strict=True))
@@ -126,7 +126,7 @@ def test_a_sleeping_reflex_proposes_with_the_plain_heads(trained_model, gsm8k_pr
   for left in (1, 0):
     out = rollout.generate(config, params, prompts, spec=spec, adaptation=state, **kw)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    assert out.adaptation_report["reflex"] == {"asleep": True, "sleep_left": left}
+    assert out.adaptation_report.reflex == reflex.ReflexSummary(asleep=True, sleep_left=left)
     assert out.stats.tokens_per_forward > 1.0  # the heads really proposed
     state = out.adaptation
     assert int(state.reflex.sleep) == left

@@ -161,8 +161,8 @@ def test_in_loop_cost_is_charged_on_awake_batches_against_static_on_the_same_bat
   """summarize: the in-loop cost compares an arm's ms per forward with static's on the same
   batches where Reflex ran; the batches where it slept (static's own program) give the noise
   figure apart and are not charged."""
-  mod = load_script("bench_adaptation.py")
-  a = mod.parse([])
+  a = load_script("bench_adaptation.py").parse([])
+  mod = load_script("_drift_report.py")
 
   def rec(b, seconds, forwards, asleep=None, tau=1.5):
     return {"batch": b, "seconds": seconds, "forwards": forwards, "tau": tau, "acceptance": [0.5],

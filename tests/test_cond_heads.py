@@ -294,9 +294,9 @@ def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_pro
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
     rep = got.adaptation_report
-    assert rep["reflex"]["records_matured"][0] > 0
-    slow = rep["slow"]
-    assert slow["decision"] == "every_batch"
+    assert rep.reflex.records_matured[0] > 0
+    slow = rep.slow
+    assert slow.decision == "every_batch"
     new = got.adaptation
     # the refresh read the reservoir with this batch's records merged in (it does not change it)
     ev_cfg = scfg.refresh_settings()
@@ -304,30 +304,30 @@ def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_pro
                                                        new.slow.reservoir))
     held1, train1 = jax.device_get(_held_out_and_train(ev_cfg, config, params, new.heads,
                                                        new.slow.reservoir))
-    ks = slow["heads"]  # every head with training records
+    ks = list(slow.heads)  # every head with training records
     assert ks == [k for k in range(3) if train0.n[k] > 0] and ks
-    assert sorted(slow["kept"] + slow["rolled_back"]) == ks
+    assert sorted(slow.kept + slow.rolled_back) == ks
     f32 = np.float32
     for i, k in enumerate(ks):
-      before = (slow["ce_before"][i], slow["tv_before"][i])
-      after = (slow["ce_after"][i], slow["tv_after"][i])
+      before = (slow.ce_before[i], slow.tv_before[i])
+      after = (slow.ce_after[i], slow.tv_after[i])
       np.testing.assert_allclose(before, (held0.ce[k], held0.tv[k]), rtol=1e-5)  # NaN == NaN
       keep = (f32(after[0]) <= f32(scfg.keep_ce_ratio) * f32(before[0])
               and f32(after[1]) < f32(before[1]))
-      assert (k in slow["kept"]) == keep, (k, before, after, slow)
+      assert (k in slow.kept) == keep, (k, before, after, slow)
       if keep:
         np.testing.assert_allclose(after, (held1.ce[k], held1.tv[k]), rtol=1e-5)
         assert train1.ce[k] < train0.ce[k] and train1.tv[k] < train0.tv[k], (k, train0, train1)
         assert not _slices_equal(new.heads, state.heads, k)
-    for k in set(range(3)) - set(slow["kept"]):
+    for k in set(range(3)) - set(slow.kept):
       assert _slices_equal(new.heads, state.heads, k), k
       assert _slices_equal(new.slow.opt_state, state.slow.opt_state, k), k
-    for name, heads in (("tried", ks), ("kept", slow["kept"]),
-                        ("rolled_back", slow["rolled_back"])):
+    for name, heads in (("tried", ks), ("kept", slow.kept),
+                        ("rolled_back", slow.rolled_back)):
       added = np.asarray(getattr(new.slow, name)) - np.asarray(getattr(state.slow, name))
       np.testing.assert_array_equal(added, np.isin(np.arange(3), heads), err_msg=name)
-    kept += slow["kept"]
-    rolled_back += slow["rolled_back"]
+    kept += slow.kept
+    rolled_back += slow.rolled_back
     state = new
   assert kept and rolled_back, (kept, rolled_back)
   assert state.slow.reservoir.path is not None and bool(state.slow.reservoir.valid.any())

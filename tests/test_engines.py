@@ -72,7 +72,7 @@ def test_prompt_batch_is_a_pytree_and_checks_the_seed(setup):
   assert len(leaves) == 5 and batch.seed.dtype == jnp.uint32
   moved = jax.tree.map(lambda x: x + 0, batch)
   assert isinstance(moved, engines.PromptBatch)
-  with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*32\), got -1"):
+  with pytest.raises(ValueError, match=r"seed must be an int in \[0, 4294967295\], got -1"):
     prepared.device(-1)
 
 

@@ -1,6 +1,9 @@
 """Goodput budgets: the cost model's checks and interpolation; where trees cannot pay no node is
-verified, where the cost is flat and proposals are confident trees grow; a measured cost model is
-cached; per-bucket node counts run exactly; calibration counts."""
+verified, where the cost is flat and proposals are confident trees grow; a cost model is fitted
+through three measured steps (three compiled programs) and cached; per-bucket node counts run
+exactly; calibration counts."""
+
+import contextlib
 
 import jax
 import numpy as np
@@ -9,6 +12,7 @@ import pytest
 from specroll_jax import calibration, goodput, rollout
 from specroll_jax.config import DecodeSettings
 from specroll_jax.kernels import Kernels
+from specroll_jax.proposers import TreeStats
 from specroll_jax.proposers.group_lookup import GroupLookup
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 
@@ -37,6 +41,32 @@ def test_cost_model_checks_and_interpolates():
   assert goodput.CostModel.from_json(c.to_json()) == c
 
 
+def test_cost_fit_passes_through_its_three_measurements_and_grows_with_nodes():
+  rows, nodes = (64, 32, 16), (0, 1, 2, 4)
+  assert goodput.measured_points(rows, nodes) == ((64, 0), (64, 4), (16, 0))
+  assert goodput.measured_points((8,), (0,)) == ((8, 0),)
+  # cost(R, n) = a + R (b + c n) with a = 1e-3, b = 1e-4, c = 5e-5: by hand at the three points
+  measured = {(64, 0): 1e-3 + 64e-4, (64, 4): 1e-3 + 64 * (1e-4 + 4 * 5e-5), (16, 0): 1e-3 + 16e-4}
+  c = goodput.fit_cost(rows, nodes, measured)
+  assert c.rows == rows and c.node_counts == nodes
+  for (r, n), s in measured.items():
+    assert c.cost(r, n) == pytest.approx(s, rel=1e-12)  # through every measurement
+  assert c.cost(32, 2) == pytest.approx(1e-3 + 32 * (1e-4 + 2 * 5e-5))  # derived
+  sec = np.asarray(c.seconds)
+  assert (np.diff(sec, axis=1) > 0).all() and (np.diff(sec[::-1], axis=0) > 0).all()
+  # noise outside the model's range: a tree below the plain step is flat in n; fewer rows no
+  # cheaper is flat in rows; fewer rows cheaper than in proportion is in proportion
+  flat = goodput.fit_cost(rows, nodes, {(64, 0): 2.0, (64, 4): 1.9, (16, 0): 2.1})
+  np.testing.assert_allclose(flat.seconds, 2.0)
+  prop = goodput.fit_cost(rows, nodes, {(64, 0): 2.0, (64, 4): 4.0, (16, 0): 0.25})
+  np.testing.assert_allclose(np.asarray(prop.seconds)[:, 0], [2.0, 1.0, 0.5])
+  assert prop.cost(64, 4) == pytest.approx(4.0) and prop.cost(16, 4) == pytest.approx(1.0)
+  one = goodput.fit_cost((8,), (0, 2), {(8, 0): 1.0, (8, 2): 3.0})
+  assert one.cost(4, 2) == pytest.approx(1.5)  # one row count: in proportion to rows
+  with pytest.raises(ValueError, match=r"missing \[\(16, 0\)\]"):
+    goodput.fit_cost(rows, nodes, {(64, 0): 1.0, (64, 4): 2.0})
+
+
 def test_choose_verifies_nothing_where_trees_cannot_pay_and_grows_trees_where_they_do():
   modest = np.array([0.0, 0.3, 0.45, 0.55, 0.6])
   spec, why = goodput.choose(_cost(0.5), modest, 64, SPEC, capacity=8)
@@ -53,16 +83,34 @@ def test_choose_verifies_nothing_where_trees_cannot_pay_and_grows_trees_where_th
 
 
 def test_spec_config_nodes_per_bucket():
-  with pytest.raises(ValueError, match="SpecConfig.nodes must hold one int >= 0 per bucket"):
+  with pytest.raises(ValueError,
+                     match=r"SpecConfig.nodes must hold len\(bucket_fractions\)=2 ints >= 0"):
     SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(1,))
   s = SpecConfig(bucket_fractions=(1.0, 0.5, 0.25), nodes=(0, 2, 9))
   assert s.bucket_shapes(8, capacity=4) == [(8, 0), (4, 2), (2, 4)]
   assert s.bucket_shapes(2, capacity=4) == [(2, 0), (1, 2)]  # repeated row counts dropped
 
 
+@contextlib.contextmanager
+def _programs_compiled():
+  """The names of the programs XLA compiles (or loads from jax's persistent cache) inside."""
+  names = []
+
+  def listen(event, duration, **kw):
+    del duration
+    if event == "/jax/core/compile/backend_compile_duration":
+      names.append(kw.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    yield names
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+
+
 @pytest.mark.slow  # a cost-model measurement: about 20 s
 def test_zero_nodes_verify_nothing_and_measured_cost_is_cached(trained_model, gsm8k_prompts,
-                                                                tmp_path):
+                                                                tmp_path, monkeypatch):
   config, params, tok = trained_model
   prompts = gsm8k_prompts[:8]
   kw = dict(sampling=SamplingConfig(temperature=1.0), max_new_tokens=24, seed=1,
@@ -79,25 +127,39 @@ def test_zero_nodes_verify_nothing_and_measured_cost_is_cached(trained_model, gs
                             cache_length=pb.cache_length, kernels=Kernels.resolve("reference"))
   args = dict(settings=settings, rows=(4, 2), node_counts=(0, 2), steps=2, repeats=1,
               cache_dir=tmp_path, progress=False)
-  cost = goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, pb.lengths, **args)
+  fits, fit_cost = [], goodput.fit_cost
+  monkeypatch.setattr(goodput, "fit_cost", lambda *a, **k: fits.append(a) or fit_cost(*a, **k))
+  with _programs_compiled() as programs:  # one per measured point, nothing else
+    cost = goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, pb.lengths, **args)
+  assert len(programs) == len(goodput.measured_points((4, 2), (0, 2))) == 3, programs
   assert cost.rows == (4, 2) and cost.node_counts == (0, 2)
+  (_, _, measured), = fits
+  assert sorted(measured) == [(2, 0), (4, 0), (4, 2)]
+  assert cost.cost(4, 0) == pytest.approx(measured[(4, 0)], rel=1e-12)  # whatever the noise
   assert all(s > 0 for r in cost.seconds for s in r)
+  assert all(r[0] <= r[1] for r in cost.seconds)  # monotone in nodes
   assert len(list(tmp_path.glob("cost-*.json"))) == 1
-  assert goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, pb.lengths,
-                              **args) == cost
+  with _programs_compiled() as programs:
+    assert goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, pb.lengths,
+                                **args) == cost
+  assert programs == []  # read from the cache
 
 
 def test_calibration_counts_and_checks():
+  counts = lambda t, h: TreeStats.zeros(len(t), 1).replace(tested=np.asarray(t),
+                                                           hit=np.asarray(h))
   cal = calibration.init(np.array([0.5, 0.1]), strength=2.0, decay=0.5)
   np.testing.assert_allclose(cal.table(), [0.5, 0.1])
-  cal = cal.update((np.array([10, 0]), np.array([9, 0])))
+  cal = cal.update(counts([10, 0], [9, 0]))
   np.testing.assert_allclose(cal.table(), [(9 + 1) / 12, 0.1], rtol=1e-6)
-  cal = cal.update((np.array([0, 0]), np.array([0, 0])))  # older counts decay
+  cal = cal.update(counts([0, 0], [0, 0]))  # older counts decay
   np.testing.assert_allclose(cal.table(), [(4.5 + 1) / 7, 0.1], rtol=1e-6)
   with pytest.raises(ValueError, match="Calibration has 2 bins"):
-    cal.update((np.zeros(3), np.zeros(3)))
+    cal.update(counts(np.zeros(3), np.zeros(3)))
   with pytest.raises(ValueError, match="hit counts must lie in"):
-    cal.update((np.array([1, 1]), np.array([2, 0])))
+    cal.update(counts([1, 1], [2, 0]))
+  with pytest.raises(ValueError, match="Calibration.update takes a TreeStats, got tuple"):
+    cal.update((np.array([1, 1]), np.array([1, 0])))
   with pytest.raises(ValueError, match="prior must be probabilities"):
     calibration.init(np.array([1.5]))
   leaves = jax.tree.leaves(cal)

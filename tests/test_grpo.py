@@ -36,9 +36,9 @@ def test_config_defaults_and_optimizer():
 
 @pytest.mark.parametrize("field,value,limit", [
     ("group_size", 0, ">= 1"), ("micro_batches", 1.5, ">= 1"), ("clip_eps_low", 1.0, "[0.0, 1.0)"),
-    ("clip_eps_high", -0.1, "[0.0, inf]"), ("beta", float("nan"), "[0.0, inf]"),
-    ("learning_rate", -1e-6, "[0.0, inf]"), ("max_grad_norm", 0.0, "(0.0, inf]"),
-    ("adam_b2", 1.0, "[0.0, 1.0)"), ("adv_eps", True, "[0.0, inf]")])
+    ("clip_eps_high", -0.1, "finite number >= 0.0"), ("beta", float("nan"), ">= 0.0"),
+    ("learning_rate", -1e-6, ">= 0.0"), ("max_grad_norm", 0.0, "(0.0, inf]"),
+    ("adam_b2", 1.0, "[0.0, 1.0)"), ("adv_eps", True, ">= 0.0")])
 def test_config_rejects_bad_values(field, value, limit):
   with pytest.raises(ValueError,
                      match=rf"GRPOConfig\.{field} .*{re.escape(limit)}.*{re.escape(repr(value))}"):
@@ -170,7 +170,7 @@ def _prompt_batch(config):
   v = config.vocab_size
   prompts = [rng.integers(0, v, rng.integers(2, 9)).tolist() for _ in range(N_PROMPTS)]
   b = rollout.prepare_batch(config, prompts, max_new_tokens=M)
-  return grpo.PromptBatch(tokens=jnp.asarray(b.tokens), lengths=jnp.asarray(b.lengths),
+  return grpo.StepPrompts(tokens=jnp.asarray(b.tokens), lengths=jnp.asarray(b.lengths),
                           indices=jnp.arange(10, 10 + N_PROMPTS, dtype=jnp.int32),
                           reward_data=jnp.asarray(rng.integers(0, v, N_PROMPTS), jnp.int32))
 
@@ -289,10 +289,10 @@ def test_steps_reject_bad_input(small_model):
     step(state, batch.replace(logprobs=jnp.zeros((b, 5))))
   with pytest.raises(ValueError, match="ref_params is given but GRPOConfig.beta is 0"):
     grpo.init_train_state(params, cfg, ref_params=params)
-  with pytest.raises(ValueError, match="eos_ids \\[40\\] must lie in \\[0, vocab_size=32\\)"):
+  with pytest.raises(ValueError, match=r"eos_ids must hold ints in \[0, 31\], got \[40\]"):
     grpo.make_rollout_train_step(config, cfg, _reward, max_new_tokens=4, eos_ids=[40], mesh=mesh)
   ro = grpo.make_rollout_train_step(config, cfg, _reward, max_new_tokens=4, eos_ids=[5], mesh=mesh)
-  pb = grpo.PromptBatch(tokens=jnp.zeros((3, 4), jnp.int32), lengths=jnp.ones(3, jnp.int32),
+  pb = grpo.StepPrompts(tokens=jnp.zeros((3, 4), jnp.int32), lengths=jnp.ones(3, jnp.int32),
                         indices=jnp.arange(3, dtype=jnp.int32))
   with pytest.raises(ValueError, match=r"prompts has 3 rows, not a multiple of n_devices 1 x "
                                        r"micro_batches 4"):

@@ -66,7 +66,7 @@ _SCRIPT = textwrap.dedent("""
                       "lengths": np.asarray(r.lengths).tolist()}
 
     # fully on-device step: the same prompts, global indices 0..NP-1, seeds 3 then 4
-    pb = grpo.PromptBatch(tokens=jnp.asarray(b.tokens[::G]), lengths=jnp.asarray(b.lengths[::G]),
+    pb = grpo.StepPrompts(tokens=jnp.asarray(b.tokens[::G]), lengths=jnp.asarray(b.lengths[::G]),
                           indices=jnp.arange(NP, dtype=jnp.int32), reward_data=jnp.asarray(targets))
     cfg = grpo.GRPOConfig(group_size=G, learning_rate=LR, micro_batches=2, sampling=samp)
     runs = {}

@@ -8,6 +8,7 @@ unembedding layouts) instead of the full product. Each case compiles once. Lower
 tpu is in ``test_kernels_lowering.py``.
 """
 
+import warnings
 import zlib
 
 import jax
@@ -179,6 +180,78 @@ class TestTreeAttention:
     assert ta.BlockSizes.for_backend("tpu", jnp.bfloat16, 13) == ta.BlockSizes(
         block_q=128, block_l=512, block_t=128)
     assert ta.BlockSizes(block_l=256).resolve("tpu", jnp.float32, 2048).block_t == 512
+
+
+# Splits of L through the public ``num_splits`` (backend, T, L, block_l, num_splits, lengths, want):
+# each row's valid blocks are dealt out over the splits, so these rows cover a full row whose
+# last split is partial (L off the block and the chunk), a row shorter than one block, an empty
+# row and a row that leaves the last split(s) empty; split 0 also holds the T new keys.
+SPLIT_CASES = [
+    ("triton", 8, 100, 16, 3, (100, 9, 0, 61), 3),  # 7 blocks: 3 + 3 + 1
+    ("triton", 1, 185, 16, 4, (185, 0, 5, 70), 4),  # T = 1; 12 blocks: 3 x 4, the last partial
+    ("tpu", 8, 300, 128, 3, (300, 0, 100, 200), 3),  # Mosaic: one 128-block per split
+]
+
+
+class TestSplits:
+
+  @pytest.mark.parametrize("backend,t,lc,block_l,splits,lengths,want", SPLIT_CASES)
+  def test_split_matches_reference(self, backend, t, lc, block_l, splits, lengths, want):
+    b, h, hkv, dh = len(lengths), 4, 2, 64
+    rng = _rng("split", backend, t, lc, block_l, splits, lengths)
+    q, kc, vc, _, kn, vn, mask = _attention_inputs(rng, b, t, h, hkv, dh, lc, jnp.float32)
+    lens = jnp.asarray(lengths, jnp.int32)
+    bs = ta.BlockSizes(block_l=block_l)
+    assert ta.num_splits_for(q.shape, kc.shape, jnp.float32, backend=backend, block_sizes=bs,
+                             num_splits=splits) == want
+    out = ta.tree_attention(q, kc, vc, lens, kn, vn, mask, interpret=True, backend=backend,
+                            block_sizes=bs, num_splits=splits)
+    ref = attention_ref(q, kc, vc, lens, kn, vn, mask)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), **TOL[jnp.float32])
+
+  def test_automatic_choice(self):
+    # Triton: splits while B * Hkv * tiles is under ~2 waves of 132 SMs and L is long enough.
+    qwen = lambda b, t, lc, **kw: ta.num_splits_for((b, t, 12, 128), (b, lc, 2, 128),
+                                                    backend="triton", **kw)
+    assert qwen(16, 1, 4096) == qwen(16, 8, 4096) == 8  # 32 programs
+    assert qwen(64, 1, 4096) == 2 and qwen(256, 8, 4096) == 1
+    assert qwen(16, 1, 128) == 1  # a short cache: the partials would outweigh the keys
+    assert qwen(16, 1, 4096, num_splits=1) == 1  # no split
+    assert qwen(16, 1, 4096, num_splits=64) == 32  # clamped to the 32 cache blocks of 128
+    assert qwen(1, 1, 1 << 16) == 128  # 2 programs x 128 splits of 4 blocks
+    one_program = ta.num_splits_for((1, 1, 8, 128), (1, 1 << 16, 1, 128), backend="triton")
+    assert one_program == ta.MAX_NUM_SPLITS  # 264 wanted, capped
+    # TPU: only a single program is split (over a megacore chip's two TensorCores).
+    tpu = lambda b, hkv: ta.num_splits_for((b, 1, 4, 128), (b, 4096, hkv, 128), backend="tpu")
+    assert tpu(1, 1) == 2 and tpu(2, 1) == tpu(1, 2) == 1
+
+  @pytest.mark.parametrize("n", [0, -1, ta.MAX_NUM_SPLITS + 1, True, 2.0, "4"])
+  def test_num_splits_out_of_range_raises(self, n):
+    q, kc, vc, lens, kn, vn, mask = _attention_inputs(np.random.default_rng(3), 2, 3, 4, 2, 64, 40,
+                                                      jnp.float32)
+    match = rf"tree_attention: num_splits must be None or an int in \[1, 256\], got {n!r}"
+    with pytest.raises(ValueError, match=match):
+      ta.tree_attention(q, kc, vc, lens, kn, vn, mask, backend="triton", num_splits=n)
+    with pytest.raises(ValueError, match=r"BlockSizes.num_splits must be .* \[1, 256\]"):
+      ta.BlockSizes(num_splits=n)
+    with pytest.raises(ValueError, match=r"conflicts with block_sizes.num_splits=2"):
+      ta.tree_attention(q, kc, vc, lens, kn, vn, mask, backend="triton", num_splits=4,
+                        block_sizes=ta.BlockSizes(num_splits=2))
+
+  @pytest.mark.parametrize("platform", ["cuda", "tpu"])
+  def test_split_lowers_at_the_tail_shape(self, platform):
+    # B = 16 rows of Qwen2.5-1.5B heads over a 4096 cache, an 8-node tree, 16 splits.
+    from pallas_kernels import lowering
+    sds = jax.ShapeDtypeStruct
+    b, t, lc, bf = 16, 8, 4096, jnp.bfloat16
+    specs = (sds((b, t, 12, 128), bf), sds((b, lc, 2, 128), bf), sds((b, lc, 2, 128), bf),
+             sds((b,), jnp.int32), sds((b, t, 2, 128), bf), sds((b, t, 2, 128), bf),
+             sds((b, t, t), jnp.bool_))
+    backend = "triton" if platform == "cuda" else "tpu"
+    f = lambda *a: ta.tree_attention(*a, backend=backend, num_splits=16)
+    with warnings.catch_warnings():
+      warnings.filterwarnings("ignore", "The Pallas Triton backend is deprecated")
+      lowering.lowers(f, specs, platform)
 
 
 # (R, D, V, temperature, dtype, backend, block_v, num_splits, unembed_layout)

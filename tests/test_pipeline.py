@@ -53,8 +53,7 @@ def test_run_static_heads_rollout_with_root_conditioned_heads(trained_model, tmp
     run = RunConfig(grpo=GRPOConfig(group_size=2), prompts_per_step=2, max_new_tokens=12,
                     steps=1, rollout=kind, spec=SpecConfig(node_budget=8), vanilla_buckets=(1.0,))
     r = Run(run, config, params, tok, heads, tmp_path / kind, log=lambda *a: None)
-    toks, lens, _, sids = r.batch(0)
-    outs[kind], _ = r.rollout(r.local_params(), toks, lens, sids)
+    outs[kind], _ = r.trainer.rollout(r.local_params(), r.batch(0))
     r.close()
   s, v = outs["static-heads"], outs["vanilla"]
   assert (np.asarray(s.tokens) == np.asarray(v.tokens)).all()

@@ -252,7 +252,7 @@ def test_delayed_maturity_and_dropped_rows(trained_model):
   prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
   heads = H.init(jax.random.key(3), config, 3, scale=0.05)
-  pp = (heads, reflex.init_global(cfg))
+  pp = prop.params(heads, reflex.init_global(cfg))
   rows, shared = prop.init(target, pp, _rows_init(3, d))
   assert all(float(jnp.abs(x).sum()) == 0 for x in jax.tree.leaves(rows.fast))  # starts at zero
   # head 1 of every row has pending records for positions 11, 12 and 13
@@ -285,7 +285,7 @@ def test_nonfinite_feedback_resets_only_that_row_head(trained_model):
   cfg = reflex.ReflexConfig(record_capacity=0)
   prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
-  pp = (H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
+  pp = prop.params(H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
   rows, shared = prop.init(target, pp, _rows_init(2, d))
   rng = np.random.default_rng(0)
   rows = rows.replace(fast=_fast(rng, 2, 3, d))
@@ -314,7 +314,7 @@ def test_group_sharing(trained_model):
   cfg = reflex.ReflexConfig(share_group=2, record_capacity=0)
   prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
-  pp = (H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
+  pp = prop.params(H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
   rows, shared = prop.init(target, pp, _rows_init(4, d))
   assert rows.fast is None and shared.group.m.shape == (2, 3, d)
   rng = np.random.default_rng(1)
@@ -427,7 +427,7 @@ def test_skipped_bookkeeping_is_exact(trained_model, monkeypatch, case):
   cfg = reflex.ReflexConfig(**{**EAGER, "stride": 3})
   prop = proposers.ReflexProposer(cfg)
   target = Target(config=config, params=params)
-  pp = (H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
+  pp = prop.params(H.init(jax.random.key(3), config, 3, scale=0.05), reflex.init_global(cfg))
   r = 3
   rows, shared = prop.init(target, pp, _rows_init(r, d))
   rng = np.random.default_rng(4)
@@ -482,10 +482,11 @@ def stride_rollouts(trained_model, gsm8k_prompts):
   out = {"vanilla": rollout.generate(config, params, prompts, **kw)}
   for s in (1, 3):
     cfg = reflex.ReflexConfig(**EAGER, stride=s)
+    prop = proposers.ReflexProposer(cfg)
     out[s] = rollout.generate(config, params, prompts, **kw,
                               spec=SpecConfig(node_budget=16, bucket_fractions=(1.0,)),
-                              proposer=proposers.ReflexProposer(cfg),
-                              proposer_params=(heads, reflex.init_global(cfg)))
+                              proposer=prop, proposer_params=prop.params(heads,
+                                                                         reflex.init_global(cfg)))
   return out
 
 

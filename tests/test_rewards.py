@@ -78,9 +78,9 @@ def test_format_reward_only_when_well_formed():
 
 
 def test_bad_arguments_raise():
-  with pytest.raises(ValueError, match=r"format_weight must be >= 0, got -0\.1"):
+  with pytest.raises(ValueError, match=r"format_weight must be a finite number >= 0, got -0\.1"):
     gsm8k_reward("#### 1", "1", format_weight=-0.1)
-  with pytest.raises(ValueError, match="format_weight must be >= 0, got nan"):
+  with pytest.raises(ValueError, match="format_weight must be a finite number >= 0, got nan"):
     gsm8k_reward("#### 1", "1", format_weight=float("nan"))
   with pytest.raises(ValueError, match=r"mode must be one of .*'loose'"):
     gsm8k_reward("#### 1", "1", mode="loose")

@@ -102,10 +102,10 @@ def test_bad_input(random_model):
   with pytest.raises(ValueError, match="temperature must be a finite number >= 0, got -0.5"):
     SamplingConfig(temperature=-0.5)
   for p in (0.0, 1.5):
-    with pytest.raises(ValueError, match=f"top_p must be in \\(0, 1\\], got {p}"):
+    with pytest.raises(ValueError, match=f"top_p must be a finite number in \\(0, 1\\], got {p}"):
       SamplingConfig(top_p=p)
   for m in (0, -3):
-    with pytest.raises(ValueError, match=f"max_new_tokens must be a positive int, got {m}"):
+    with pytest.raises(ValueError, match=f"max_new_tokens must be an int >= 1, got {m}"):
       g([[1]], max_new_tokens=m)
   with pytest.raises(ValueError, match="sample_ids must have shape"):
     g([[1], [2]], sample_ids=[0])

@@ -495,7 +495,7 @@ def test_mode_off_never_refreshes(tiny):
     state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r,
                                        np.array([0.7, 0.5, 0.4]), 10.0)
     reports.append(rep)
-  assert all(r["decision"] == "off" and not r["heads"] for r in reports)
+  assert all(r.decision == "off" and not r.heads for r in reports)
   assert heads is tiny[2] and int(state.tried.sum()) == 0
   assert int(state.reservoir.valid.sum()) == 4 * 16 * K  # records still merged
 
@@ -518,15 +518,15 @@ def test_mode_every_batch_refreshes_every_batch_and_compiles_once(tiny, caplog, 
       state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r,
                                          np.array([0.7, 0.5, 0.4]), 10.0)
     reports.append(rep)
-  assert all(r["decision"] == "every_batch" and r["heads"] == [0, 1, 2] for r in reports)
+  assert all(r.decision == "every_batch" and r.heads == (0, 1, 2) for r in reports)
   assert state.tried.tolist() == [3, 3, 3]
   assert (state.kept + state.rolled_back).tolist() == [3, 3, 3]
   # batches 2 and 3 (new records, new parameters) compiled nothing at all
   assert sp.refresh_compiles() == n1
   assert not [m for m in caplog.messages if "ompil" in m], caplog.messages
-  assert reports[1]["compile_seconds"] == reports[2]["compile_seconds"] == 0.0
-  assert all(r["refresh_seconds"] > 0 and r["steps"] == 2 for r in reports)
-  assert reports[0]["batch"] == 1 and reports[0]["records"] == [16, 16, 16]
+  assert reports[1].compile_seconds == reports[2].compile_seconds == 0.0
+  assert all(r.refresh_seconds > 0 and r.steps == 2 for r in reports)
+  assert reports[0].batch == 1 and reports[0].records == (16, 16, 16)
 
 
 def test_mode_scheduled_thresholds_worst_head_one_step_and_time_budget(tiny):
@@ -538,7 +538,7 @@ def test_mode_scheduled_thresholds_worst_head_one_step_and_time_budget(tiny):
   for r, secs in zip(batches(tiny, 9), [1e-6] * 6 + [1e4] * 3, strict=True):
     state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r,
                                        np.array([0.7, 0.5, 0.4]), secs)
-    got.append((rep["decision"], rep["heads"], rep["steps"]))
+    got.append((rep.decision, list(rep.heads), rep.steps))
   # 48 records per batch: batch 2 has 96 records but only 2 batches; batch 3 fires
   assert got[0][0] == got[1][0] == "schedule_wait"
   assert got[2] == ("scheduled", [1], 1)  # head 1 has the highest TV; one step
@@ -558,8 +558,8 @@ def test_after_batch_degradation_end_to_end(tiny):
   for i, r in enumerate(batches(tiny, 4, tv=(0.3, 0.3, 0.3)) + batches(tiny, 2, tv=(0.4, .9, .8))):
     acc = np.array([0.6, 0.6, 0.6]) - 0.2 * (i >= 4)
     state, heads, rep = sp.after_batch(cfg, state, config, params, heads, r, acc, 1.0)
-  assert rep["decision"] == "sustained_degradation" and rep["heads"] == [1, 2]
-  assert len(rep["ce_before"]) == 2 and rep["refresh_seconds"] > 0
+  assert rep.decision == "sustained_degradation" and rep.heads == (1, 2)
+  assert len(rep.ce_before) == 2 and rep.refresh_seconds > 0
   assert state.tried.tolist() == [0, 1, 1]
   assert leaves_equal(head_slice(heads, 0), head_slice(student, 0))
 

@@ -90,7 +90,7 @@ _SHARDED = textwrap.dedent("""
     sharded_reflex = jax.jit(jax.shard_map(reflex_fn, mesh=mesh, in_specs=(P(), P(), d, d, d),
                                            out_specs=(d, d, d)))
     a = sharded_spec(params, (hd, ()), *args)
-    c = sharded_reflex(params, (hd, reflex.init_global(rcfg)), *args)
+    c = sharded_reflex(params, ReflexProposer(rcfg).params(hd, reflex.init_global(rcfg)), *args)
     b = sharded_van(params, *args)
     ref = rollout.generate(config, params, prompts, max_new_tokens=24, seed=3, eos_ids=eos,
                            sample_ids=np.arange(16) * 3)

@@ -214,12 +214,12 @@ def test_adaptation_takes_trainer_records(trained_model, batch):
   state = A.init(ac, heads)
   rec = TR.from_hidden(rc, config, params, heads, hid, toks, lens, plens, sampling=SAMPLING,
                        key=jax.random.key(0), num_anchors=N)
-  report = {"head_acceptance": [0.6, 0.3, None], "rollout_seconds": 0.5}
+  report = A.AdaptationReport(batch=0, rollout_seconds=0.5, head_acceptance=(0.6, 0.3, np.nan))
   new, rep = A.after_trainer(state, config, params, rec, report)
   np.testing.assert_array_equal(np.asarray(new.slow.reservoir.count),
                                 np.asarray(rec.valid).sum(1))
-  assert rep["heads"] == [0, 1, 2] and rep["decision"] == "every_batch"
-  assert rep["adaptation_seconds"] > 0
+  assert rep.slow.heads == (0, 1, 2) and rep.slow.decision == "every_batch"
+  assert rep.adaptation_seconds > 0 and rep.head_acceptance == report.head_acceptance
   changed = float(np.abs(np.asarray(new.heads.w_o) - np.asarray(heads.w_o)).max())
   assert changed > 1e-4  # refreshed on the trainer's records
   with pytest.raises(ValueError, match="rollout_report must be"):

@@ -219,8 +219,8 @@ def test_shape_smaller_than_source(source, field, value, match):
 @pytest.mark.parametrize("kw, match", [
     (dict(num_heads=7), r"num_heads \(7\) must be a multiple of num_kv_heads \(2\)"),
     (dict(head_dim=127), "head_dim must be even"),
-    (dict(hidden_size=0), "hidden_size must be a positive int"),
-    (dict(vocab_size=-1), "vocab_size must be a positive int"),
+    (dict(hidden_size=0), "WideShape.hidden_size must be an int >= 1, got 0"),
+    (dict(vocab_size=-1), "WideShape.vocab_size must be None or an int >= 1, got -1"),
 ])
 def test_bad_shape(kw, match):
   with pytest.raises(ValueError, match=match):
@@ -236,14 +236,14 @@ def test_bad_arguments(source):
     widened_config(config, shape, dtype="float64")
   with pytest.raises(ValueError, match="source's unembedding is untied"):
     widened_config(config.replace(tie_word_embeddings=False), shape)
-  with pytest.raises(ValueError, match="scale must be a finite float > 0"):
+  with pytest.raises(ValueError, match="scale must be a finite number > 0, got 0.0"):
     widen(config, params, shape, key=jax.random.key(0), scale=0.0)
   with pytest.raises(ValueError, match="heads must be a heads.Heads or cond_heads.CondHeads"):
     widen(config, params, shape, key=jax.random.key(0), heads=object())
   with pytest.raises(ValueError, match="unstacked"):
     widen(config, decoder.unstack_layers(params), shape, key=jax.random.key(0))
   big = widened_config(config, shape)
-  with pytest.raises(ValueError, match="width = 8 must be an int >= the heads' width"):
+  with pytest.raises(ValueError, match=rf"width must be an int >= {ch.width}, got 8"):
     widen_heads(config, big, ch, key=jax.random.key(0), width=8)
   with pytest.raises(ValueError, match="width applies to CondHeads only"):
     widen_heads(config, big, mh, key=jax.random.key(0), width=512)

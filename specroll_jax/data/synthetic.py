@@ -27,6 +27,7 @@ import typing
 
 import numpy as np
 
+from specroll_jax._fields import check_int, int_arg
 from specroll_jax.data import gsm8k
 from specroll_jax.data import synthetic_templates as _tpl
 
@@ -57,21 +58,12 @@ class Difficulty:
   ops: tuple[str, ...]
 
   def __post_init__(self):
-    if isinstance(self.max_steps, bool) or not isinstance(self.max_steps, (int, np.integer)) or \
-        not 1 <= self.max_steps <= MAX_STEPS:
-      raise ValueError(
-          f"Difficulty.max_steps must be an int in [1, {MAX_STEPS}], got {self.max_steps!r}")
-    lo, hi = MAX_VALUE_RANGE
-    if isinstance(self.max_value, bool) or not isinstance(self.max_value, (int, np.integer)) or \
-        not lo <= self.max_value <= hi:
-      raise ValueError(f"Difficulty.max_value must be an int in [{lo}, {hi}], got "
-                       f"{self.max_value!r}")
+    check_int(self, "max_steps", 1, MAX_STEPS)
+    check_int(self, "max_value", *MAX_VALUE_RANGE)
     if isinstance(self.ops, str) or not isinstance(self.ops, (tuple, list)) or not self.ops or \
         any(op not in OPS for op in self.ops):
       raise ValueError(f"Difficulty.ops must be a non-empty tuple of ops from {OPS}, got "
                        f"{self.ops!r}")
-    object.__setattr__(self, "max_steps", int(self.max_steps))
-    object.__setattr__(self, "max_value", int(self.max_value))
     object.__setattr__(self, "ops", tuple(op for op in OPS if op in self.ops))
 
   @classmethod
@@ -96,10 +88,7 @@ class Difficulty:
     Monotone: each level allows at least the steps, values and ops of the level below it.
     1 is ``easy()``, 2 is ``medium()``, 4 is ``hard()``.
     """
-    if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or \
-        not 0 <= level < NUM_LEVELS:
-      raise ValueError(f"level must be an int in [0, {NUM_LEVELS - 1}], got {level!r}")
-    steps, max_value, ops = _LEVELS[int(level)]
+    steps, max_value, ops = _LEVELS[int_arg(level, "level", 0, NUM_LEVELS - 1)]
     return cls(max_steps=steps, max_value=max_value, ops=ops)
 
 
@@ -250,12 +239,6 @@ def _render(rng: np.random.Generator, t: _tpl.Template, operands: tuple[int, ...
                  operands=operands, ops=tuple(t.ops))
 
 
-def _check_int(name: str, value, lo: int) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
-    raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-  return int(value)
-
-
 def generate(n: int, *, seed: int, split: str = "train",
              difficulty: Difficulty | None = None) -> list[Problem]:
   """``n`` problems of ``split`` at ``difficulty`` (None: ``Difficulty.easy()``).
@@ -265,8 +248,8 @@ def generate(n: int, *, seed: int, split: str = "train",
   a problem. Problems may repeat within a split, the more often the fewer the difficulty allows.
   Raises RuntimeError when a difficulty admits (almost) no problem of ``split``.
   """
-  n = _check_int("n", n, 0)
-  seed = _check_int("seed", seed, 0)
+  n = int_arg(n, "n", 0)
+  seed = int_arg(seed, "seed", 0)
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
   if difficulty is None:

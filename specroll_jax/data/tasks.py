@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from specroll_jax._fields import check_int
 from specroll_jax.data import gsm8k, synthetic
 
 TASKS = ("gsm8k", "synthetic", "mix")
@@ -29,13 +30,10 @@ class Task:
   def __post_init__(self):
     if self.name not in TASKS:
       raise ValueError(f"Task.name must be one of {TASKS}, got {self.name!r}")
-    synthetic.Difficulty.from_level(self.level)  # ValueError naming the level
-    for field in ("train_size", "test_size"):
-      v = getattr(self, field)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"Task.{field} must be an int >= 1, got {v!r}")
-    if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-      raise ValueError(f"Task.seed must be an int >= 0, got {self.seed!r}")
+    check_int(self, "level", 0, synthetic.NUM_LEVELS - 1)
+    check_int(self, "train_size", 1)
+    check_int(self, "test_size", 1)
+    check_int(self, "seed", 0)
 
   def examples(self, split: str) -> list[gsm8k.Example]:
     """The task's examples of ``split`` ("train" or "test"), in a fixed order."""

@@ -19,8 +19,8 @@ from specroll_jax.grpo.loss import (
   token_terms,
 )
 from specroll_jax.grpo.on_device import (
-  PromptBatch,
   RolloutTrainStep,
+  StepPrompts,
   StepRollouts,
   make_rollout_train_step,
   rollout_train_step,
@@ -34,8 +34,17 @@ from specroll_jax.grpo.step import (
   train_step,
 )
 
-__all__ = ["AGGREGATIONS", "OLD_POLICIES", "Batch", "GRPOConfig", "Metrics", "PromptBatch",
-           "RolloutTrainStep", "StepRollouts", "Sums", "TokenScores", "TokenTerms", "TrainState",
+__all__ = ["AGGREGATIONS", "OLD_POLICIES", "Batch", "GRPOConfig", "Metrics", "RolloutTrainStep",
+           "StepPrompts", "StepRollouts", "Sums", "TokenScores", "TokenTerms", "TrainState",
            "TrainStep", "group_advantages", "grpo_loss", "init_train_state", "k3_kl",
            "make_rollout_train_step", "make_train_step", "rollout_train_step", "token_terms",
            "train_step", "trainer_hidden", "trainer_logprobs"]
+
+
+def __getattr__(name):
+  if name == "PromptBatch":  # the one ``PromptBatch`` is the engines' (``rollout.PromptBatch``)
+    import warnings
+    warnings.warn("grpo.PromptBatch is renamed grpo.StepPrompts (rollout.PromptBatch is the "
+                  "engines' batch)", DeprecationWarning, stacklevel=2)
+    return StepPrompts
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,13 +5,11 @@ transform."""
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
-import numpy as np
 import optax
 
-from specroll_jax._fields import check_int
+from specroll_jax._fields import check_float, check_int, check_type
 from specroll_jax.sampling import SamplingConfig
 
 AGGREGATIONS = ("token_mean", "seq_mean")
@@ -66,25 +64,18 @@ class GRPOConfig:
     check_int(self, "group_size", 1)
     check_int(self, "micro_batches", 1)
     check_int(self, "warmup_steps", 0)
-    _float(self, "clip_eps_low", 0.0, 1.0, hi_open=True)
-    _float(self, "clip_eps_high", 0.0, math.inf)
-    _float(self, "beta", 0.0, math.inf)
-    _float(self, "adv_eps", 0.0, math.inf)
-    _float(self, "learning_rate", 0.0, math.inf)
-    _float(self, "weight_decay", 0.0, math.inf)
-    _float(self, "max_grad_norm", 0.0, math.inf, lo_open=True, allow_inf=True)
-    _float(self, "adam_b1", 0.0, 1.0, hi_open=True)
-    _float(self, "adam_b2", 0.0, 1.0, hi_open=True)
-    _float(self, "adam_eps", 0.0, math.inf)
+    for name in ("clip_eps_high", "beta", "adv_eps", "learning_rate", "weight_decay", "adam_eps"):
+      check_float(self, name, 0.0)
+    for name in ("clip_eps_low", "adam_b1", "adam_b2"):
+      check_float(self, name, 0.0, 1.0, hi_open=True)
+    check_float(self, "max_grad_norm", 0.0, lo_open=True, allow_inf=True)  # inf: no clipping
     if self.old_policy not in OLD_POLICIES:
       raise ValueError(f"GRPOConfig.old_policy must be one of {OLD_POLICIES}, got "
                        f"{self.old_policy!r}")
     if self.aggregation not in AGGREGATIONS:
       raise ValueError(f"GRPOConfig.aggregation must be one of {AGGREGATIONS}, got "
                        f"{self.aggregation!r}")
-    if not isinstance(self.sampling, SamplingConfig):
-      raise ValueError(f"GRPOConfig.sampling must be a SamplingConfig, got "
-                       f"{type(self.sampling).__name__}")
+    check_type(self, "sampling", SamplingConfig)
 
   def learning_rate_schedule(self):
     """The learning rate: a float (constant) or, with ``warmup_steps``, an optax schedule."""
@@ -99,18 +90,3 @@ class GRPOConfig:
         optax.clip_by_global_norm(self.max_grad_norm),
         optax.adamw(self.learning_rate_schedule(), b1=self.adam_b1, b2=self.adam_b2,
                     eps=self.adam_eps, weight_decay=self.weight_decay))
-
-
-def _float(cfg, name: str, lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False,
-           allow_inf: bool = False) -> None:
-  v = getattr(cfg, name)
-  ok = not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
-  if ok:
-    v = float(v)
-    finite = math.isfinite(v) or (allow_inf and v == math.inf)
-    ok = finite and (v > lo if lo_open else v >= lo) and (v < hi if hi_open else v <= hi)
-  if not ok:
-    lb, rb = "(" if lo_open else "[", ")" if hi_open else "]"
-    raise ValueError(f"GRPOConfig.{name} must be a number in {lb}{lo}, {hi}{rb}, got "
-                     f"{getattr(cfg, name)!r}")
-  object.__setattr__(cfg, name, v)

@@ -9,7 +9,7 @@ the micro-batching. Token counts are only known after the rollouts, so the scan 
 objective's numerator and the ``Sums``; one ``psum`` and one division follow (see ``step``).
 
 reward_fn(prompt_tokens [R, P], prompt_lengths [R], tokens [R, M], lengths [R], data) -> [R]:
-traceable jnp; ``data`` is ``PromptBatch.reward_data`` (any pytree with a leading prompt axis, e.g.
+traceable jnp; ``data`` is ``StepPrompts.reward_data`` (any pytree with a leading prompt axis, e.g.
 a gold answer's token ids) repeated G times per prompt, or None.
 """
 
@@ -18,16 +18,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from specroll_jax import engines
+from specroll_jax._fields import int_arg, int_tuple
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.grpo import loss as _loss
 from specroll_jax.grpo import step as _step
@@ -40,13 +40,13 @@ from specroll_jax.sampling import group_sample_ids
 
 
 @flax.struct.dataclass
-class PromptBatch:
+class StepPrompts:
   """One step's prompts, each once (the step makes its G responses)."""
 
   tokens: Int[Array, "Pr P"]  # right-padded prompt tokens
   lengths: Int[Array, " Pr"]  # >= 1
   indices: Int[Array, " Pr"]  # global prompt index: sample id of member i = index * G + i
-  reward_data: Any = None  # pytree, leading [Pr] axis, handed to reward_fn (repeated G times)
+  reward_data: PyTree | None = None  # leading [Pr] axis, handed to reward_fn (repeated G times)
 
 
 @flax.struct.dataclass
@@ -63,7 +63,7 @@ class StepRollouts:
   target_forwards: Int[Array, ""]  # sequential target forwards summed likewise
 
 
-def rollout_train_step(state: TrainState, prompts: PromptBatch, seed, proposer_params=None, *,
+def rollout_train_step(state: TrainState, prompts: StepPrompts, seed, proposer_params=None, *,
                        config: ModelConfig, cfg: GRPOConfig, reward_fn: Callable, mesh: Mesh,
                        max_new_tokens: int, eos_ids: tuple[int, ...], proposer: Proposer | None,
                        spec: SpecConfig | None, rollout_kernels: Kernels,
@@ -79,7 +79,7 @@ def rollout_train_step(state: TrainState, prompts: PromptBatch, seed, proposer_p
   rep = lambda x: jnp.repeat(x, g, axis=0)
 
   def local(state, prompts, seed, proposer_params):
-    def fn(params_v, pr: PromptBatch):
+    def fn(params_v, pr: StepPrompts):
       ptok, plen = rep(pr.tokens), rep(pr.lengths)
       sids = group_sample_ids(pr.indices.astype(jnp.int32), g)
       batch = engines.PromptBatch(tokens=ptok, lengths=plen, sample_ids=sids, eos_ids=eos,
@@ -144,9 +144,9 @@ class RolloutTrainStep:
         train_kernels=self.train_kernels, pad_id=self.pad_id)
     return jax.jit(fn, donate_argnums=0)
 
-  def __call__(self, state: TrainState, prompts: PromptBatch, seed, proposer_params=None):
-    if not isinstance(prompts, PromptBatch):
-      raise ValueError(f"prompts must be a grpo.PromptBatch, got {type(prompts).__name__}")
+  def __call__(self, state: TrainState, prompts: StepPrompts, seed, proposer_params=None):
+    if not isinstance(prompts, StepPrompts):
+      raise ValueError(f"prompts must be a grpo.StepPrompts, got {type(prompts).__name__}")
     n, w = prompts.tokens.shape
     for name in ("lengths", "indices"):
       got = tuple(getattr(prompts, name).shape)
@@ -194,11 +194,8 @@ def make_rollout_train_step(config: ModelConfig, cfg: GRPOConfig, reward_fn: Cal
     raise ValueError(f"cfg must be a GRPOConfig, got {type(cfg).__name__}")
   if not callable(reward_fn):
     raise ValueError(f"reward_fn must be callable, got {type(reward_fn).__name__}")
-  if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-  eos = tuple(int(e) for e in eos_ids)
-  if any(not 0 <= e < config.vocab_size for e in eos):
-    raise ValueError(f"eos_ids {list(eos)} must lie in [0, vocab_size={config.vocab_size})")
+  max_new_tokens = int_arg(max_new_tokens, "max_new_tokens", 1)
+  eos = int_tuple(eos_ids, "eos_ids", 0, config.vocab_size - 1)
   if proposer is not None and not isinstance(proposer, Proposer):
     raise ValueError(f"proposer must be a specroll_jax.proposers.Proposer, got "
                      f"{type(proposer).__name__}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import flax.struct
 import jax
@@ -24,8 +23,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float, Int, PyTree
 
+from specroll_jax._fields import bool_arg
 from specroll_jax._vma import vary_like
 from specroll_jax.grpo import loss as _loss
 from specroll_jax.grpo.config import GRPOConfig
@@ -41,10 +41,10 @@ class TrainState:
   """What a step carries (and donates). ``ref_params`` is the frozen reference policy when
   ``beta > 0`` (None otherwise); a checkpoint can drop it and rebuild it from the initial params."""
 
-  params: Any  # policy parameters (the decoder's ``params`` collection)
-  opt_state: Any  # ``GRPOConfig.optimizer()`` state
+  params: PyTree  # policy parameters (the decoder's ``params`` collection)
+  opt_state: optax.OptState  # ``GRPOConfig.optimizer()`` state
   step: Int[Array, ""]  # optimizer updates done
-  ref_params: Any = None
+  ref_params: PyTree | None = None
 
 
 def init_train_state(params, cfg: GRPOConfig, *, ref_params=None) -> TrainState:
@@ -255,7 +255,6 @@ def make_train_step(config: ModelConfig, cfg: GRPOConfig, *, mesh: Mesh | None =
   mesh = default_mesh() if mesh is None else mesh
   if AXIS not in mesh.axis_names:
     raise ValueError(f"mesh must have a {AXIS!r} axis, got axes {mesh.axis_names}")
-  if not isinstance(return_hidden, bool):
-    raise ValueError(f"return_hidden must be a bool, got {return_hidden!r}")
+  bool_arg(return_hidden, "return_hidden")
   return TrainStep(config=config, cfg=cfg, mesh=mesh, kernels=Kernels.resolve(kernels),
                    return_hidden=return_hidden)

@@ -7,6 +7,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from specroll_jax._fields import check_int
+
 ARCHITECTURES = {"Qwen2ForCausalLM": "qwen2", "LlamaForCausalLM": "llama"}
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -40,9 +42,7 @@ class ModelConfig:
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                  "num_kv_heads", "head_dim"):
-      v = getattr(self, name)
-      if not isinstance(v, int) or v <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive int, got {v!r}")
+      check_int(self, name, 1)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads "

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specroll_jax._fields import check_bool, check_int, float_arg, int_arg
 from specroll_jax.models.config import _DTYPES, ModelConfig
 
 _SIZES = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -63,20 +64,15 @@ class WideShape:
   tie_word_embeddings: bool = True
 
   def __post_init__(self):
-    for name in _SIZES + ("vocab_size",):
-      v = getattr(self, name)
-      if name == "vocab_size" and v is None:
-        continue
-      if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"WideShape.{name} must be a positive int, got {v!r}")
+    for name in _SIZES:
+      check_int(self, name, 1)
+    check_int(self, "vocab_size", 1, optional=True)
     if self.num_heads % self.num_kv_heads:
       raise ValueError(f"WideShape.num_heads ({self.num_heads}) must be a multiple of "
                        f"num_kv_heads ({self.num_kv_heads})")
     if self.head_dim % 2:
       raise ValueError(f"WideShape.head_dim must be even (rotate-half rope), got {self.head_dim}")
-    if not isinstance(self.tie_word_embeddings, bool):
-      raise ValueError(f"WideShape.tie_word_embeddings must be a bool, got "
-                       f"{self.tie_word_embeddings!r}")
+    check_bool(self, "tie_word_embeddings")
 
   @property
   def group_size(self) -> int:
@@ -350,7 +346,7 @@ def widen(config: ModelConfig, params, shape: WideShape, *, key, heads=None,
   ``widen_heads``). The big parameters are built by one jitted function on the default device.
   """
   big = widened_config(config, shape, dtype=dtype)
-  _check_scale(scale)
+  scale = float_arg(scale, "scale", 0, lo_open=True)
   if heads is not None:
     _validate_heads(config, heads)
   hk, mk = jax.random.split(key)
@@ -358,12 +354,6 @@ def widen(config: ModelConfig, params, shape: WideShape, *, key, heads=None,
   if heads is None:
     return big, out
   return big, out, widen_heads(config, big, heads, key=hk, scale=scale, width=head_width)
-
-
-def _check_scale(scale):
-  if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
-      math.isfinite(scale) and scale > 0):
-    raise ValueError(f"scale must be a finite float > 0, got {scale!r}")
 
 
 def _validate_heads(config, heads):
@@ -408,7 +398,7 @@ def widen_heads(config: ModelConfig, big: ModelConfig, heads, *, key, scale: flo
   """
   from specroll_jax import heads as _mh
   _validate_heads(config, heads)
-  _check_scale(scale)
+  scale = float_arg(scale, "scale", 0, lo_open=True)
   if big.vocab_size != config.vocab_size or big.hidden_size < config.hidden_size:
     raise ValueError(f"big (vocab {big.vocab_size}, hidden {big.hidden_size}) is not a widening "
                      f"of config (vocab {config.vocab_size}, hidden {config.hidden_size})")
@@ -422,8 +412,7 @@ def widen_heads(config: ModelConfig, big: ModelConfig, heads, *, key, scale: flo
     return _build_heads(ds, db, db, float(scale), sh, key)
   fs = heads.width
   fb = -(-fs * db // ds) if width is None else width
-  if isinstance(fb, bool) or not isinstance(fb, int) or fb < fs:
-    raise ValueError(f"width = {width!r} must be an int >= the heads' width {fs}")
+  fb = int_arg(fb, "width", fs)  # at least the heads' width
   sh = heads.replace(norm_h=_prep(heads.norm_h, dt, rms), norm_e=_prep(heads.norm_e, dt, rms),
                      w_h=_prep(heads.w_h, dt), w_e=_prep(heads.w_e, dt), b=_prep(heads.b, dt),
                      w_o=_prep(heads.w_o, dt))

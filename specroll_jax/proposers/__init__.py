@@ -18,17 +18,18 @@ from specroll_jax.proposers.heads import HeadsProposer
 from specroll_jax.proposers.lookup import HeadsAndLookup, LookupState, PromptLookup
 from specroll_jax.proposers.merged import (
            Merged,
+           MergedParams,
            MergedReflex,
            MergedReflexParams,
            MergedReflexStats,
 )
 from specroll_jax.proposers.ranked import RankedProposer, TreeStats
 from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
-from specroll_jax.proposers.reflex import ReflexProposer
+from specroll_jax.proposers.reflex_heads import ReflexParams, ReflexProposer
 from specroll_jax.tree import Tree
 
 __all__ = ["Feedback", "GroupLookup", "HeadsAndLookup", "HeadsParams", "HeadsProposer",
-           "LookupContext", "LookupState", "Merged", "MergedReflex", "MergedReflexParams",
-           "MergedReflexStats", "PromptLookup", "ProposeInput", "Proposer",
-           "RankedHeads", "RankedProposer", "ReflexProposer", "RowsInit", "Target", "Tree",
-           "TreeStats"]
+           "LookupContext", "LookupState", "Merged", "MergedParams", "MergedReflex",
+           "MergedReflexParams", "MergedReflexStats", "PromptLookup", "ProposeInput", "Proposer",
+           "RankedHeads", "RankedProposer", "ReflexParams", "ReflexProposer", "RowsInit", "Target",
+           "Tree", "TreeStats"]

@@ -20,17 +20,14 @@ their shapes and dtypes at trace time, ``proposers.contract``).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import flax.struct
 import jax
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.sampling import SamplingConfig
 from specroll_jax.tree import Tree
-
-PyTree = Any
 
 
 @flax.struct.dataclass

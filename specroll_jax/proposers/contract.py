@@ -13,15 +13,13 @@ in the ``Tree`` docstring.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import PyTree
 
+from specroll_jax._fields import int_arg
 from specroll_jax.tree import Tree
-
-PyTree = Any
 
 
 def _name(proposer) -> str:
@@ -37,18 +35,12 @@ def _leaf_sd(x):
   return tuple(jnp.shape(x)), jnp.result_type(x)
 
 
-def _is_int(x) -> bool:
-  return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
-
-
 def check_properties(proposer, vocab_size: int) -> None:
   """The static settings the engine sizes its buffers with: ``max_depth`` and ``capacity`` ints
   >= 0, ``feedback_topm`` an int in [0, vocab_size]."""
   name = _name(proposer)
   for attr in ("max_depth", "capacity", "feedback_topm"):
-    v = getattr(proposer, attr)
-    if not _is_int(v) or v < 0:
-      raise ValueError(f"{name}.{attr} must be an int >= 0, got {v!r}")
+    int_arg(getattr(proposer, attr), f"{name}.{attr}", 0)
   if proposer.feedback_topm > vocab_size:
     raise ValueError(f"{name}.feedback_topm={proposer.feedback_topm} exceeds the model's "
                      f"vocab_size {vocab_size}")
@@ -153,9 +145,8 @@ def check_tree(proposer, tree, rows: int, num_nodes: int) -> None:
   if not isinstance(tree, Tree):
     raise ValueError(f"{name}.propose must return (specroll_jax.proposers.Tree, state), got a "
                      f"{type(tree).__name__} as the tree")
-  if not _is_int(proposer.max_depth) or proposer.max_depth < 1:
-    raise ValueError(f"{name}.max_depth must be an int >= 1 for a proposer that proposes nodes "
-                     f"(num_nodes={num_nodes}), got {proposer.max_depth!r}")
+  # a proposer that proposes nodes reaches depth 1 at least
+  int_arg(proposer.max_depth, f"{name}.max_depth (num_nodes={num_nodes})", 1)
   n1 = num_nodes + 1
   want = {"tokens": ((rows, n1), jnp.int32), "depth": ((rows, n1), jnp.int32),
           "parent": ((rows, n1), jnp.int32), "valid": ((rows, n1), jnp.bool_),

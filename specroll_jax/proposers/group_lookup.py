@@ -35,6 +35,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from specroll_jax import tree as _tree
+from specroll_jax._fields import check_int
 from specroll_jax.proposers.ranked import RankedProposer, log_table
 
 OWN, SIBLING, PRIOR = 0, 1, 2
@@ -133,11 +134,9 @@ class GroupLookup(RankedProposer):
   max_nodes: int = 16
 
   def __post_init__(self):
-    for name, lo in (("max_ngram", 1), ("min_ngram", 1), ("max_chain", 1), ("group_size", 0),
-                     ("max_branches", 1), ("max_nodes", 1)):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"GroupLookup.{name} must be an int >= {lo}, got {v!r}")
+    for name in ("max_ngram", "min_ngram", "max_chain", "max_branches", "max_nodes"):
+      check_int(self, name, 1, owner="GroupLookup")
+    check_int(self, "group_size", 0, owner="GroupLookup")
     if self.min_ngram > self.max_ngram:
       raise ValueError(f"GroupLookup.min_ngram={self.min_ngram} exceeds max_ngram="
                        f"{self.max_ngram}")

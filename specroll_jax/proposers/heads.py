@@ -16,6 +16,7 @@ import jax
 
 from specroll_jax import heads as _heads
 from specroll_jax import tree as _tree
+from specroll_jax._fields import check_int, int_tuple
 from specroll_jax.config import DEFAULT_TOPK
 from specroll_jax.models import decoder as _dec
 from specroll_jax.proposers.base import Proposer
@@ -42,14 +43,9 @@ class HeadsProposer(Proposer):
   topk: tuple[int, ...] = DEFAULT_TOPK
 
   def __post_init__(self):
-    if isinstance(self.num_heads, bool) or not isinstance(self.num_heads, int) or \
-        self.num_heads < 1:
-      raise ValueError(f"HeadsProposer.num_heads must be an int >= 1, got {self.num_heads!r}")
-    topk = tuple(self.topk)
-    if len(topk) != self.num_heads or any(not isinstance(k, int) or k < 1 for k in topk):
-      raise ValueError(f"HeadsProposer.topk must hold num_heads={self.num_heads} ints >= 1, got "
-                       f"{topk}")
-    object.__setattr__(self, "topk", topk)
+    k = check_int(self, "num_heads", 1, owner="HeadsProposer")
+    object.__setattr__(self, "topk", int_tuple(self.topk, "HeadsProposer.topk", 1, length=k,
+                                               count=f"num_heads={k}"))
 
   @property
   def max_depth(self) -> int:

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Int
 
 from specroll_jax import tree as _tree
+from specroll_jax._fields import check_int
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.group_lookup import find_continuations, own_suffix
 from specroll_jax.proposers.heads import HeadsProposer
@@ -80,9 +81,7 @@ class PromptLookup(Proposer):
 
   def __post_init__(self):
     for name in ("max_ngram", "min_ngram", "max_chain", "min_chain"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"PromptLookup.{name} must be an int >= 1, got {v!r}")
+      check_int(self, name, 1, owner="PromptLookup")
     if self.min_ngram > self.max_ngram:
       raise ValueError(f"PromptLookup.min_ngram={self.min_ngram} exceeds max_ngram="
                        f"{self.max_ngram}")

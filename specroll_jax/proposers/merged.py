@@ -14,6 +14,7 @@ import numpy as np
 
 from specroll_jax import head_kinds
 from specroll_jax import tree as _tree
+from specroll_jax._fields import check_int
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext
 from specroll_jax.proposers.ranked import (
@@ -24,17 +25,26 @@ from specroll_jax.proposers.ranked import (
   ranked_update,
 )
 from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
-from specroll_jax.proposers.reflex import ReflexProposer
+from specroll_jax.proposers.reflex_heads import ReflexParams, ReflexProposer
 from specroll_jax.reflex.config import ReflexConfig
 from specroll_jax.reflex.state import ReflexGlobal
 from specroll_jax.reflex.statistics import ReflexStats
 from specroll_jax.results import Summed
 
 
+@flax.struct.dataclass
+class MergedParams:
+  """Parameters of ``Merged``: the heads with their calibrated table (``HeadsParams``) and the
+  lookup's per-batch context (``LookupContext``)."""
+
+  heads: HeadsParams
+  lookup: LookupContext
+
+
 @dataclasses.dataclass(frozen=True)
 class Merged(RankedProposer):
-  """Heads + group-aware lookup in one ranked tree. Parameters: (``HeadsParams``,
-  ``LookupContext``). max_nodes: the most nodes a row's tree holds."""
+  """Heads + group-aware lookup in one ranked tree. Parameters: ``MergedParams``
+  (``Merged.params``). max_nodes: the most nodes a row's tree holds."""
 
   heads: RankedHeads = RankedHeads()
   lookup: GroupLookup = GroupLookup()
@@ -44,9 +54,7 @@ class Merged(RankedProposer):
     if not isinstance(self.heads, RankedHeads) or not isinstance(self.lookup, GroupLookup):
       raise ValueError("Merged takes a RankedHeads and a GroupLookup, got "
                        f"{type(self.heads).__name__}, {type(self.lookup).__name__}")
-    if isinstance(self.max_nodes, bool) or not isinstance(self.max_nodes, int) or \
-        self.max_nodes < 1:
-      raise ValueError(f"Merged.max_nodes must be an int >= 1, got {self.max_nodes!r}")
+    check_int(self, "max_nodes", 1, owner="Merged")
 
   @property
   def max_depth(self) -> int:
@@ -65,34 +73,35 @@ class Merged(RankedProposer):
     return np.concatenate([self.heads.default_acceptance().ravel(),
                            self.lookup.default_acceptance().ravel()])
 
-  def params(self, heads, acceptance=None, group_ids=None, prior=None):
-    """(HeadsParams, LookupContext) from the heads, one flat table over all bins (or the
+  def params(self, heads, acceptance=None, group_ids=None, prior=None) -> MergedParams:
+    """``MergedParams`` from the heads, one flat table over all bins (or the
     priors), and the lookup's per-batch context."""
     acc = self.default_acceptance() if acceptance is None else np.asarray(acceptance)
     if acc.shape != (self.num_bins,):
       raise ValueError(f"Merged acceptance must have shape ({self.num_bins},) (heads bins + lookup "
                        f"bins), got {acc.shape}")
     nh = self.heads.num_bins
-    return (self.heads.params(heads, acc[:nh].reshape(self.heads.num_heads, self.heads.q_bins)),
-            self.lookup.context(acc[nh:].reshape(self.lookup.acceptance_shape), group_ids, prior))
+    return MergedParams(
+        heads=self.heads.params(heads, acc[:nh].reshape(self.heads.num_heads, self.heads.q_bins)),
+        lookup=self.lookup.context(acc[nh:].reshape(self.lookup.acceptance_shape), group_ids,
+                                   prior))
 
   def validate(self, config, params) -> None:
-    if not isinstance(params, tuple) or len(params) != 2 or not isinstance(
-        params[0], HeadsParams) or not isinstance(params[1], LookupContext):
-      raise ValueError("Merged params must be (HeadsParams, LookupContext) (Merged.params(...)), "
-                       f"got {type(params).__name__}")
-    self.heads.validate(config, params[0])
-    self.lookup.validate(config, params[1])
+    if not isinstance(params, MergedParams):
+      raise ValueError("Merged params must be a MergedParams (Merged.params(...)), got "
+                       f"{type(params).__name__}")
+    self.heads.validate(config, params.heads)
+    self.lookup.validate(config, params.lookup)
 
   def validate_batch(self, config, params, prompt_tokens, prompt_lengths, sample_ids) -> None:
-    self.lookup.validate_batch(config, params[1], prompt_tokens, prompt_lengths, sample_ids)
+    self.lookup.validate_batch(config, params.lookup, prompt_tokens, prompt_lengths, sample_ids)
 
   def init_shared(self, target, params, rows):
-    return self.lookup.init_shared(target, params[1], rows)
+    return self.lookup.init_shared(target, params.lookup, rows)
 
   def candidates(self, target, params, shared, inp, *, num_nodes: int):
-    ch, _ = self.heads.candidates(target, params[0], (), inp, num_nodes=num_nodes)
-    cl, found = self.lookup.candidates(target, params[1], shared, inp, num_nodes=num_nodes)
+    ch, _ = self.heads.candidates(target, params.heads, (), inp, num_nodes=num_nodes)
+    cl, found = self.lookup.candidates(target, params.lookup, shared, inp, num_nodes=num_nodes)
     cl = cl.replace(bin=cl.bin + self.heads.num_bins)
     return _tree.concat_candidates(ch, cl), found
 
@@ -160,25 +169,25 @@ class MergedReflex(Proposer):
 
   def params(self, heads, glob: ReflexGlobal, acceptance=None, group_ids=None,
              prior=None) -> MergedReflexParams:
-    hp, ctx = self.merged.params(heads, acceptance, group_ids, prior)
-    return MergedReflexParams(heads=hp, lookup=ctx, reflex=glob)
+    mp = self.merged.params(heads, acceptance, group_ids, prior)
+    return MergedReflexParams(heads=mp.heads, lookup=mp.lookup, reflex=glob)
 
   def validate(self, config, params) -> None:
     if not isinstance(params, MergedReflexParams):
       raise ValueError(f"MergedReflex params must be a MergedReflexParams (MergedReflex.params("
                        f"...)), got {type(params).__name__}")
-    self.merged.validate(config, (params.heads, params.lookup))
+    self.merged.validate(config, MergedParams(heads=params.heads, lookup=params.lookup))
     if not head_kinds.is_conditioned(params.heads.heads):
       raise ValueError("MergedReflex needs root-conditioned heads (cond_heads.CondHeads), got "
                        f"{type(params.heads.heads).__name__}")
-    self.inner.validate(config, (params.heads.heads, params.reflex))
+    self.inner.validate(config, _inner_params(params))
 
   def validate_batch(self, config, params, prompt_tokens, prompt_lengths, sample_ids) -> None:
     self.merged.lookup.validate_batch(config, params.lookup, prompt_tokens, prompt_lengths,
                                       sample_ids)
 
   def init(self, target, params, rows):
-    rrows, rshared = self.inner.init(target, (params.heads.heads, params.reflex), rows)
+    rrows, rshared = self.inner.init(target, _inner_params(params), rows)
     ranked = RankedRows.zeros(rows.row.shape[0], self.capacity)
     lshared = self.merged.lookup.init_shared(target, params.lookup, rows)
     return (ranked, rrows), (lshared, rshared)
@@ -199,14 +208,14 @@ class MergedReflex(Proposer):
     cl = cl.replace(bin=cl.bin + heads.num_bins)
     table = params.heads.acceptance.reshape(-1)
     tr, (rrows, rshared), sel = self.inner.propose_with(
-        target, (params.heads.heads, params.reflex), (rrows, rshared), inp, num_nodes=num_nodes,
+        target, _inner_params(params), (rrows, rshared), inp, num_nodes=num_nodes,
         table=table, extra=cl, ranks=self.capacity + 1)
     ranked = ranked_after_propose(ranked, sel, found, inp.budget, num_nodes)
     return tr, ((ranked, rrows), (lshared, rshared))
 
   def update(self, target, params, state, fb):
     (ranked, rrows), (lshared, rshared) = state
-    (rrows, rshared), rstats = self.inner.update(target, (params.heads.heads, params.reflex),
+    (rrows, rshared), rstats = self.inner.update(target, _inner_params(params),
                                                  (rrows, rshared), fb)
     ranked, tstats = ranked_update(ranked, fb, self.merged.num_bins)
     return ((ranked, rrows), (lshared, rshared)), MergedReflexStats(tree=tstats, reflex=rstats)
@@ -219,4 +228,9 @@ class MergedReflex(Proposer):
                              reflex=self.inner.init_stats())
 
 
-__all__ = ["Merged", "MergedReflex", "MergedReflexParams", "MergedReflexStats"]
+def _inner_params(params: MergedReflexParams) -> ReflexParams:
+  """The inner ``ReflexProposer``'s parameters: the heads and Reflex's global state."""
+  return ReflexParams(heads=params.heads.heads, reflex=params.reflex)
+
+
+__all__ = ["Merged", "MergedParams", "MergedReflex", "MergedReflexParams", "MergedReflexStats"]

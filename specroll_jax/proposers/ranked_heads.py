@@ -28,6 +28,7 @@ from jaxtyping import Array, Float
 from specroll_jax import cond_heads as _cond
 from specroll_jax import heads as _heads
 from specroll_jax import tree as _tree
+from specroll_jax._fields import check_int, int_tuple
 from specroll_jax.models import decoder as _dec
 from specroll_jax.proposers.ranked import RankedProposer, log_table
 
@@ -72,21 +73,15 @@ class RankedHeads(RankedProposer):
   q_bins: int = 12
 
   def __post_init__(self):
-    k = self.num_heads
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-      raise ValueError(f"RankedHeads.num_heads must be an int >= 1, got {k!r}")
+    k = check_int(self, "num_heads", 1, owner="RankedHeads")
     for name in ("topk", "beams"):
-      v = tuple(getattr(self, name))
-      if len(v) != k or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in v):
-        raise ValueError(f"RankedHeads.{name} must hold num_heads={k} ints >= 1, got {v}")
-      object.__setattr__(self, name, v)
+      object.__setattr__(self, name, int_tuple(getattr(self, name), f"RankedHeads.{name}", 1,
+                                               length=k, count=f"num_heads={k}"))
     if self.beams[0] != 1:
       raise ValueError(f"RankedHeads.beams[0] must be 1 (depth 1 extends the root), got "
                        f"{self.beams}")
     for name in ("max_nodes", "q_bins"):
-      v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"RankedHeads.{name} must be an int >= 1, got {v!r}")
+      check_int(self, name, 1, owner="RankedHeads")
 
   @property
   def max_depth(self) -> int:

@@ -37,6 +37,7 @@ from specroll_jax.reflex.state import (
 )
 from specroll_jax.reflex.statistics import (
   ReflexStats,
+  ReflexSummary,
   corrected_head_states,
   correction,
   end_batch,
@@ -47,13 +48,14 @@ from specroll_jax.reflex.statistics import (
 )
 
 __all__ = ["FastState", "Matured", "Pending", "ReflexConfig", "ReflexGlobal", "ReflexProposer",
-           "ReflexRows", "ReflexShared", "ReflexStats", "corrected_head_states", "correction",
-           "end_batch", "feedback", "gate", "init_global", "lcb", "summarize", "welford_merge"]
+           "ReflexRows", "ReflexShared", "ReflexStats", "ReflexSummary", "corrected_head_states",
+           "correction", "end_batch", "feedback", "gate", "init_global", "lcb", "summarize",
+           "welford_merge"]
 
 
 def __getattr__(name):
   # the proposer lives in specroll_jax.proposers (it imports this package's modules)
   if name == "ReflexProposer":
-    from specroll_jax.proposers.reflex import ReflexProposer
+    from specroll_jax.proposers.reflex_heads import ReflexProposer
     return ReflexProposer
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

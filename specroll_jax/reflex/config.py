@@ -7,7 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specroll_jax._fields import check_int
+from specroll_jax._fields import check_bool, check_float, check_int, int_tuple
 from specroll_jax.config import DEFAULT_TOPK
 
 _TINY = 1e-12
@@ -76,11 +76,9 @@ class ReflexConfig:
   max_nodes: int = 16
 
   def __post_init__(self):
-    k = self.num_heads
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-      raise ValueError(f"ReflexConfig.num_heads must be an int >= 1, got {k!r}")
-    if len(tuple(self.topk)) != k or any(not isinstance(t, int) or t < 1 for t in self.topk):
-      raise ValueError(f"ReflexConfig.topk must hold num_heads={k} ints >= 1, got {self.topk}")
+    k = check_int(self, "num_heads", 1)
+    object.__setattr__(self, "topk", int_tuple(self.topk, "ReflexConfig.topk", 1, length=k,
+                                               count=f"num_heads={k}"))
     for name in ("topk", "r_min", "r_max", "rho", "min_obs", "min_severity", "beams"):
       v = tuple(getattr(self, name))
       if not v:
@@ -95,21 +93,18 @@ class ReflexConfig:
       check_int(self, name, 1)
     for name in ("share_group", "record_capacity", "sleep_batches", "sleep_max_batches"):
       check_int(self, name, 0)
-    if not isinstance(self.conditioned, bool):
-      raise ValueError(f"ReflexConfig.conditioned must be a bool, got {self.conditioned!r}")
-    if self.beams[0] != 1 or any(not isinstance(b, int) or b < 1 for b in self.beams):
-      raise ValueError(f"ReflexConfig.beams must be ints >= 1 starting at 1, got {self.beams}")
+    check_bool(self, "conditioned")
+    object.__setattr__(self, "beams", int_tuple(self.beams, "ReflexConfig.beams", 1))
+    if self.beams[0] != 1:
+      raise ValueError(f"ReflexConfig.beams must start at 1, got {self.beams}")
     check_int(self, "max_nodes", 1)
-    if not isinstance(self.apply_corrections, bool):
-      raise ValueError(f"ReflexConfig.apply_corrections must be a bool, got "
-                       f"{self.apply_corrections!r}")
+    check_bool(self, "apply_corrections")
     if not (0 < self.safety_min <= self.safety_start <= self.safety_max):
       raise ValueError(f"ReflexConfig safety must satisfy 0 < safety_min <= safety_start <= "
                        f"safety_max, got {self.safety_min}, {self.safety_start}, "
                        f"{self.safety_max}")
     for name in ("lcb_scale", "rms_scale", "stride_rows"):
-      if not getattr(self, name) > 0:
-        raise ValueError(f"ReflexConfig.{name} must be > 0, got {getattr(self, name)!r}")
+      check_float(self, name, 0, lo_open=True, allow_inf=True)
 
   @property
   def slots(self) -> int:

@@ -137,26 +137,52 @@ def end_batch(cfg: ReflexConfig, glob: ReflexGlobal, stats: ReflexStats) -> Refl
 
 
 
-def summarize(stats: ReflexStats | None) -> dict:
-  """Per-batch Reflex statistics as plain numbers (per head lists; {} without statistics)."""
+@dataclasses.dataclass(frozen=True)
+class ReflexSummary:
+  """One batch of Reflex in plain numbers. asleep: the plain heads proposed (Reflex slept);
+  sleep_left: batches it sleeps after this one. Per head (empty while asleep): correction_rate
+  (corrected row-steps / row-steps), mean_ratio (the applied corrections' mean ratio), lcb (the
+  lower confidence bound's mean; NaN where none was computed), records_matured, state_updates,
+  mean_tv (TV between corrected and plain distributions over matured records),
+  candidate_hit_rate, resets, gain_mean / gain_n (the measured gain of corrections and its
+  count)."""
+
+  asleep: bool
+  sleep_left: int
+  correction_rate: tuple[float, ...] = ()
+  mean_ratio: tuple[float, ...] = ()
+  lcb: tuple[float, ...] = ()
+  records_matured: tuple[int, ...] = ()
+  state_updates: tuple[int, ...] = ()
+  mean_tv: tuple[float, ...] = ()
+  candidate_hit_rate: tuple[float, ...] = ()
+  resets: tuple[int, ...] = ()
+  gain_mean: tuple[float, ...] = ()
+  gain_n: tuple[int, ...] = ()
+
+  def to_dict(self) -> dict:
+    """Plain values for a JSON line."""
+    return dataclasses.asdict(self)
+
+
+def summarize(stats: ReflexStats | None, *, asleep: bool = False,
+              sleep_left: int = 0) -> ReflexSummary:
+  """Per-batch Reflex statistics as plain numbers (per head; empty without statistics)."""
   if not isinstance(stats, ReflexStats):
-    return {}
+    return ReflexSummary(asleep=asleep, sleep_left=sleep_left)
   s = {f.name: np.asarray(getattr(stats, f.name), np.float64)
        for f in dataclasses.fields(stats) if getattr(stats, f.name) is not None}
   steps = np.maximum(s["row_head_steps"], 1)
   applied = s["applied"]
   lcb_n = np.maximum(s["lcb_n"], 1)
   mat = np.maximum(s["matured"], 1)
-  out = {
-      "correction_rate": (applied / steps).tolist(),
-      "mean_ratio": (s["ratio_sum"] / np.maximum(applied, 1)).tolist(),
-      "lcb": np.where(s["lcb_n"] > 0, s["lcb_sum"] / lcb_n, math.nan).tolist(),
-      "records_matured": s["matured"].astype(int).tolist(),
-      "state_updates": s["updates"].astype(int).tolist(),
-      "mean_tv": (s["tv_sum"] / mat).tolist(),
-      "candidate_hit_rate": (s["hits"] / mat).tolist(),
-      "resets": s["resets"].astype(int).tolist(),
-      "gain_mean": (s["gain_sum"] / np.maximum(s["gain_n"], 1)).tolist(),
-      "gain_n": s["gain_n"].astype(int).tolist(),
-  }
-  return out
+  fl = lambda x: tuple(float(v) for v in x)
+  ints = lambda x: tuple(int(v) for v in x)
+  return ReflexSummary(
+      asleep=asleep, sleep_left=sleep_left, correction_rate=fl(applied / steps),
+      mean_ratio=fl(s["ratio_sum"] / np.maximum(applied, 1)),
+      lcb=fl(np.where(s["lcb_n"] > 0, s["lcb_sum"] / lcb_n, math.nan)),
+      records_matured=ints(s["matured"]), state_updates=ints(s["updates"]),
+      mean_tv=fl(s["tv_sum"] / mat), candidate_hit_rate=fl(s["hits"] / mat),
+      resets=ints(s["resets"]), gain_mean=fl(s["gain_sum"] / np.maximum(s["gain_n"], 1)),
+      gain_n=ints(s["gain_n"]))

@@ -30,6 +30,7 @@ its bounded compile cache); this package's ``init`` and ``after_batch`` are the 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -40,6 +41,7 @@ from jaxtyping import Array, Float
 
 from specroll_jax import head_kinds
 from specroll_jax import records as records_lib
+from specroll_jax._fields import float_arg, int_arg
 from specroll_jax.heads import Heads
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.records import Records
@@ -82,9 +84,8 @@ def init(cfg: SlowPathConfig, heads: Heads, *, support_size: int,
   if not isinstance(heads, head_kinds.KINDS):
     raise ValueError(f"heads must be heads.Heads or cond_heads.CondHeads, got "
                      f"{type(heads).__name__}")
-  for name, v in (("support_size", support_size), ("num_candidates", num_candidates)):
-    if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 1:
-      raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+  support_size = int_arg(support_size, "support_size", 1)
+  num_candidates = int_arg(num_candidates, "num_candidates", 1)
   k = heads.num_heads
   c = cfg.per_head(k)
   need = math.ceil(1 / cfg.holdout_fraction) + 1
@@ -174,21 +175,48 @@ def _check_inputs(cfg, state, model_config, heads, batch, acceptance, rollout_se
   finite = acc[np.isfinite(acc)]
   if np.isinf(acc).any() or ((finite < 0) | (finite > 1)).any():
     raise ValueError(f"head_acceptance must lie in [0, 1] (NaN: unknown), got {acc.tolist()}")
-  s = float(rollout_seconds)
-  if not math.isfinite(s) or s < 0:
-    raise ValueError(f"rollout_seconds must be a finite number >= 0, got {rollout_seconds!r}")
-  return acc, np.float32(s)
+  return acc, np.float32(float_arg(float(rollout_seconds), "rollout_seconds", 0))
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchReport:
+  """What ``after_batch`` did for one batch, in plain Python values: the monitor's batch count,
+  mode and signal; its decision (a ``REASONS`` name) and the refresh steps it granted; per head
+  the signal's z-score, the batch's mean signal (``tv``: the configured signal's value), the
+  acceptance and the records merged; the heads refreshed, kept and rolled back, their held-out CE
+  and TV before and after; refresh_seconds (the run's wall-clock) and compile_seconds (when this
+  call compiled the refresh program)."""
+
+  batch: int
+  mode: str
+  signal: str
+  decision: str
+  steps: int
+  z: tuple[float, ...]
+  tv: tuple[float, ...]
+  acceptance: tuple[float, ...]
+  records: tuple[int, ...]
+  heads: tuple[int, ...] = ()
+  kept: tuple[int, ...] = ()
+  rolled_back: tuple[int, ...] = ()
+  ce_before: tuple[float, ...] = ()
+  ce_after: tuple[float, ...] = ()
+  tv_before: tuple[float, ...] = ()
+  tv_after: tuple[float, ...] = ()
+  refresh_seconds: float = 0.0
+  compile_seconds: float = 0.0
+
+  def to_dict(self) -> dict:
+    """Plain values for a JSON line."""
+    return dataclasses.asdict(self)
 
 
 def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelConfig, params,
                 heads: Heads, batch_records: Records, head_acceptance: Float[Array, " K"],
-                rollout_seconds: float) -> tuple[SlowPathState, Heads, dict]:
+                rollout_seconds: float) -> tuple[SlowPathState, Heads, BatchReport]:
   """The rollout loop's call between two batches: merge the batch's records (its own buffer, a
   fresh ``records.empty`` per batch) into the reservoir, update the monitor, and refresh the heads
-  the decision names. Returns (state, heads, report); ``report`` holds plain Python values:
-  batch, mode, decision (a REASONS name), per-head z / batch TV / acceptance / records, the heads
-  refreshed, kept and rolled back, their held-out CE and TV before and after, refresh_seconds
-  (wall-clock of the run) and compile_seconds (when this call compiled the refresh program).
+  the decision names. Returns (state, heads, report), a ``BatchReport`` of plain Python values.
   Nothing is donated: the input state and heads stay valid.
 
   Typical loop (``records`` [K, *, ...] and ``acceptance`` [K] are what the rollout's proposer
@@ -205,14 +233,11 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
                             rollout_seconds)
   state, decision, tv, n = _observe_jit(cfg, state, batch_records, jnp.asarray(acc), secs)
   d, tv, n = jax.device_get((decision, tv, n))
-  fl = lambda x: [float(v) for v in np.asarray(x)]
-  report = {"batch": int(jax.device_get(state.monitor.batches)), "mode": cfg.mode,
-            "signal": cfg.signal,  # "tv" below holds this signal's batch means
-            "decision": REASONS[int(d.reason)], "steps": int(d.steps) if d.refresh.any() else 0,
-            "z": fl(d.z), "tv": fl(tv),
-            "acceptance": fl(acc), "records": [int(v) for v in n], "heads": [], "kept": [],
-            "rolled_back": [], "ce_before": [], "ce_after": [], "tv_before": [], "tv_after": [],
-            "refresh_seconds": 0.0, "compile_seconds": 0.0}
+  fl = lambda x: tuple(float(v) for v in np.asarray(x))
+  report = BatchReport(batch=int(jax.device_get(state.monitor.batches)), mode=cfg.mode,
+                       signal=cfg.signal, decision=REASONS[int(d.reason)],
+                       steps=int(d.steps) if d.refresh.any() else 0, z=fl(d.z), tv=fl(tv),
+                       acceptance=fl(acc), records=tuple(int(v) for v in n))
   if not d.refresh.any():
     return state, heads, report
   args = (params, heads, state.opt_state, state.reservoir, jnp.asarray(d.refresh),
@@ -224,17 +249,18 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   r = jax.device_get(res)
   state = _placed_like(_commit(state.replace(opt_state=opt_state), r, seconds), state)
   new_heads = _placed_like(new_heads, heads)
-  ks = [int(k) for k in np.flatnonzero(r.trained)]
-  report.update(
-      heads=ks, kept=[k for k in ks if r.keep[k]], rolled_back=[k for k in ks if not r.keep[k]],
-      ce_before=[float(r.before.ce[k]) for k in ks], ce_after=[float(r.after.ce[k]) for k in ks],
-      tv_before=[float(r.before.tv[k]) for k in ks], tv_after=[float(r.after.tv[k]) for k in ks],
+  ks = tuple(int(k) for k in np.flatnonzero(r.trained))
+  pick = lambda x: tuple(float(x[k]) for k in ks)
+  report = dataclasses.replace(
+      report, heads=ks, kept=tuple(k for k in ks if r.keep[k]),
+      rolled_back=tuple(k for k in ks if not r.keep[k]), ce_before=pick(r.before.ce),
+      ce_after=pick(r.after.ce), tv_before=pick(r.before.tv), tv_after=pick(r.after.tv),
       refresh_seconds=seconds, compile_seconds=compile_s)
   return state, new_heads, report
 
 
-__all__ = ["MODES", "REASONS", "SELECTIONS", "SIGNALS", "VOCABS", "Decision", "Evaluation",
-           "MonitorState", "RefreshResult", "SlowPathConfig", "SlowPathState", "after_batch",
-           "batch_stats", "evaluate", "holdout_slots", "init", "keep_rule", "monitor_init",
-           "monitor_update", "optimizer", "refresh", "refresh_compiles", "refresh_jit",
-           "step_groups"]
+__all__ = ["MODES", "REASONS", "SELECTIONS", "SIGNALS", "VOCABS", "BatchReport", "Decision",
+           "Evaluation", "MonitorState", "RefreshResult", "SlowPathConfig", "SlowPathState",
+           "after_batch", "batch_stats", "evaluate", "holdout_slots", "init", "keep_rule",
+           "monitor_init", "monitor_update", "optimizer", "refresh", "refresh_compiles",
+           "refresh_jit", "step_groups"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from specroll_jax._fields import check_float, check_int
+from specroll_jax._fields import check_bool, check_float, check_int
 
 MODES = ("degradation", "scheduled", "every_batch", "off")
 SIGNALS = ("tv", "regret")
@@ -173,8 +173,7 @@ class SlowPathConfig:
     check_float(self, "clip_norm", 0.0, lo_open=True)
     check_float(self, "keep_ce_ratio", 0.0, lo_open=True)
     for name in ("guard", "use_correction"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"SlowPathConfig.{name} must be a bool, got {getattr(self, name)!r}")
+      check_bool(self, name)
 
   def replace(self, **kw) -> SlowPathConfig:
     return dataclasses.replace(self, **kw)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -12,6 +13,8 @@ from specroll_jax import _topk, head_kinds
 from specroll_jax import records as _records
 from specroll_jax import tree as _tree
 from specroll_jax._vma import vary_like
+from specroll_jax.cond_heads import CondHeads
+from specroll_jax.heads import Heads
 from specroll_jax.models import decoder as _dec
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.heads import effective_topk
@@ -36,10 +39,19 @@ from specroll_jax.reflex.statistics import (
 )
 
 
+@flax.struct.dataclass
+class ReflexParams:
+  """Parameters of ``ReflexProposer``: the heads (Medusa ``heads.Heads`` or root-conditioned
+  ``cond_heads.CondHeads``) and Reflex's global safety per head (``ReflexGlobal``)."""
+
+  heads: Heads | CondHeads
+  reflex: ReflexGlobal
+
+
 @dataclasses.dataclass(frozen=True)
 class ReflexProposer(Proposer):
-  """Future-token heads with Reflex corrections. Parameters: (``heads.Heads``, ``ReflexGlobal``);
-  state: (``ReflexRows``, ``ReflexShared``)."""
+  """Future-token heads with Reflex corrections. Parameters: ``ReflexParams``
+  (``ReflexProposer.params``); state: (``ReflexRows``, ``ReflexShared``)."""
 
   config: ReflexConfig = ReflexConfig()
 
@@ -67,18 +79,21 @@ class ReflexProposer(Proposer):
   def feedback_topm(self) -> int:
     return self.config.top
 
+  def params(self, heads: Heads | CondHeads, glob: ReflexGlobal) -> ReflexParams:
+    """The parameters from the heads and Reflex's global state (``reflex.init_global``)."""
+    return ReflexParams(heads=heads, reflex=glob)
+
   def validate(self, config, params) -> None:
-    if not isinstance(params, tuple) or len(params) != 2 or \
-        not isinstance(params[1], ReflexGlobal):
-      raise ValueError("ReflexProposer params must be (heads, reflex.ReflexGlobal), got "
-                       f"{type(params).__name__}")
-    head_kinds.validate(config, params[0], self.config.num_heads)
-    if head_kinds.is_conditioned(params[0]) != self.config.conditioned:
+    if not isinstance(params, ReflexParams) or not isinstance(params.reflex, ReflexGlobal):
+      raise ValueError("ReflexProposer params must be a ReflexParams(heads, reflex.ReflexGlobal) "
+                       f"(ReflexProposer.params(...)), got {type(params).__name__}")
+    head_kinds.validate(config, params.heads, self.config.num_heads)
+    if head_kinds.is_conditioned(params.heads) != self.config.conditioned:
       raise ValueError(f"ReflexConfig.conditioned={self.config.conditioned} but the heads are "
-                       f"{type(params[0]).__name__} (root-conditioned heads need "
+                       f"{type(params.heads).__name__} (root-conditioned heads need "
                        "conditioned=True, Medusa heads False)")
-    if params[1].safety.shape != (self.config.num_heads,):
-      raise ValueError(f"ReflexGlobal.safety has shape {params[1].safety.shape}, expected "
+    if params.reflex.safety.shape != (self.config.num_heads,):
+      raise ValueError(f"ReflexGlobal.safety has shape {params.reflex.safety.shape}, expected "
                        f"({self.config.num_heads},)")
 
   def split_state(self, state):
@@ -139,7 +154,7 @@ class ReflexProposer(Proposer):
     rows, shared = state
     if num_nodes == 0:
       return _tree.root_only(inp.root), state, None
-    heads, glob = params
+    heads, glob = params.heads, params.reflex
     k = cfg.num_heads
     active = inp.budget > 0
     fast = self._view(rows, shared, inp.row)
