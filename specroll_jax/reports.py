@@ -61,4 +61,30 @@ class SpecRollReport:
     return dataclasses.asdict(self)
 
 
-__all__ = ["SlowReport", "SpecRollReport"]
+def describe(sr, state) -> str:
+  """One line for a ``SpecRoll`` object ``sr`` and its state: what proposes, how budgets are
+  chosen, what adapts."""
+  heads = None if state.adaptation is None else state.adaptation.heads
+  if sr.proposer is not None:
+    what = f"{type(sr.proposer).__name__} (custom)"
+  else:
+    parts = [] if heads is None else [f"{type(heads).__name__} heads"]
+    if sr.lookup is not None:
+      parts.append(f"group lookup (G = {sr.group_size}, own text, siblings"
+                   + (", earlier responses)" if state.store is not None else ")"))
+    what = " + ".join(parts) + " in one tree ranked by calibrated acceptance"
+  budget = (f"goodput budgets from this machine's measured cost (probe every "
+            f"{sr.probe_every} batches where none pays)" if sr.budget == "goodput"
+            else f"fixed budget ({sr.spec.node_budget} nodes per forward)")
+  adapt = []
+  if sr._has_reflex(state):
+    adapt.append(f"Reflex (sleeps {sr.reflex.sleep_batches}..{sr.reflex.sleep_max_batches}"
+                 " batches when unpaid)")
+  if state.adaptation is not None and sr.slow.mode != "off":
+    adapt.append(f"slow path {sr.slow.mode} (bootstrap {sr.slow.bootstrap_batches} batches"
+                 f", {sr.records_per_batch} records per batch from the rollout)")
+  return (f"SpecRoll: {what}; {budget}; buckets {sr.spec.bucket_fractions}; adaptation: "
+          + (", ".join(adapt) or "none"))
+
+
+__all__ = ["SlowReport", "SpecRollReport", "describe"]

@@ -43,6 +43,7 @@ from specroll_jax import calibration as _cal
 from specroll_jax import distributed, head_kinds
 from specroll_jax import executables as _exe
 from specroll_jax import goodput as _goodput
+from specroll_jax import reports as _reports
 from specroll_jax import specroll_fold as _fold
 from specroll_jax import store as _store
 from specroll_jax._fields import check_float, check_int, check_type, int_tuple
@@ -275,28 +276,8 @@ class SpecRoll:
                        "group size): build it with this object's init")
 
   def describe(self, state: SpecRollState) -> str:
-    """One line: what proposes, how budgets are chosen, what adapts."""
-    heads = None if state.adaptation is None else state.adaptation.heads
-    if self.proposer is not None:
-      what = f"{type(self.proposer).__name__} (custom)"
-    else:
-      parts = [] if heads is None else [f"{type(heads).__name__} heads"]
-      if self.lookup is not None:
-        parts.append(f"group lookup (G = {self.group_size}, own text, siblings"
-                     + (", earlier responses)" if state.store is not None else ")"))
-      what = " + ".join(parts) + " in one tree ranked by calibrated acceptance"
-    budget = (f"goodput budgets from this machine's measured cost (probe every "
-              f"{self.probe_every} batches where none pays)" if self.budget == "goodput"
-              else f"fixed budget ({self.spec.node_budget} nodes per forward)")
-    adapt = []
-    if self._has_reflex(state):
-      adapt.append(f"Reflex (sleeps {self.reflex.sleep_batches}..{self.reflex.sleep_max_batches}"
-                   " batches when unpaid)")
-    if state.adaptation is not None and self.slow.mode != "off":
-      adapt.append(f"slow path {self.slow.mode} (bootstrap {self.slow.bootstrap_batches} batches"
-                   f", {self.records_per_batch} records per batch from the rollout)")
-    return (f"SpecRoll: {what}; {budget}; buckets {self.spec.bucket_fractions}; adaptation: "
-            + (", ".join(adapt) or "none"))
+    """One line: what proposes, how budgets are chosen, what adapts (``reports.describe``)."""
+    return _reports.describe(self, state)
 
   # -- batches
 

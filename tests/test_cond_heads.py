@@ -108,7 +108,7 @@ def test_cond_heads_validation(trained_model):
 
 @pytest.mark.parametrize("cfg", [
     pytest.param(SamplingConfig(temperature=0.0), marks=LONG),
-    SAMPLING], ids=str)
+    pytest.param(SAMPLING, marks=pytest.mark.slow)], ids=str)  # fast: test_specroll's Merged
 def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cfg):
   config, params, tok = trained_model
   ch, _ = fitted

@@ -84,7 +84,9 @@ def batch(trained_model, gsm8k_prompts):
                                               marks=LONG),
                                  pytest.param(SamplingConfig(temperature=0.7, top_k=40,
                                                              top_p=0.9), marks=LONG),
-                                 SamplingConfig(temperature=1.0)], ids=str)
+                                 pytest.param(SamplingConfig(temperature=1.0),
+                                              marks=pytest.mark.slow)],  # fast: test_specroll
+                         ids=str)
 def test_group_lookup_equals_vanilla(trained_model, batch, cfg):
   config, params, tok = trained_model
   prompts, sids, prompt_of = batch

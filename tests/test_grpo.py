@@ -183,6 +183,7 @@ def small_model():
   return config, models.init_params(jax.random.key(0), config)
 
 
+@pytest.mark.slow  # (a compile-heavy exactness check; the main job's test checks it end to end)
 def test_speculative_rollouts_give_vanilla_updates(small_model):
   config, params = small_model
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
@@ -226,6 +227,7 @@ def test_speculative_rollouts_give_vanilla_updates(small_model):
   assert gap <= 1e-5
 
 
+@pytest.mark.slow
 def test_trainer_old_policy_makes_the_update_independent_of_the_rollout_logprobs(small_model):
   """old_policy="trainer": the ratio's old logprobs are the trainer's own (stop_gradient), so
   the update is bit-identical whatever logprobs the rollout reported (a speculative and a vanilla

@@ -113,6 +113,7 @@ def test_stacked_cache_rows_and_writes(model):
                                 np.asarray(b.take_rows(rows).stacked()[1]))
 
 
+@pytest.mark.slow
 def test_speculative_rollout_under_scan_gives_the_unrolled_vanilla_tokens(model):
   config, params = model
   prompts = [[3, 4, 5], [6, 7], [8, 9, 10, 11], [12]]

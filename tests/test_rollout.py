@@ -11,7 +11,8 @@ from specroll_jax.rollout import SamplingConfig
 
 CONFIGS = [SamplingConfig(temperature=1.0),
            pytest.param(SamplingConfig(temperature=0.7, top_p=0.95), marks=pytest.mark.slow),
-           SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0, top_k=20)]
+           pytest.param(SamplingConfig(temperature=0.0), marks=pytest.mark.slow),
+           pytest.param(SamplingConfig(temperature=1.0, top_k=20), marks=pytest.mark.slow)]
 
 
 def _prompts(n, vocab, seed=0):
@@ -41,6 +42,7 @@ def test_logprobs_equal_teacher_forced(random_model, cfg):
     np.testing.assert_array_equal(np.asarray(tok), np.asarray(r.tokens[i]))
 
 
+@pytest.mark.slow
 def test_batch_independence(random_model):
   config, params = random_model
   cfg = SamplingConfig(temperature=1.0)
@@ -133,6 +135,7 @@ def test_duplicate_sample_ids_on_request(random_model):
   np.testing.assert_array_equal(np.asarray(r.tokens[0]), np.asarray(r.tokens[1]))
 
 
+@pytest.mark.slow
 def test_padded_array_prompts(random_model):
   config, params = random_model
   prompts = _prompts(3, config.vocab_size, seed=4)

@@ -383,6 +383,7 @@ def test_after_evaluation_reads_only_the_held_out_slots_and_matches_evaluate(tin
     assert res.after.n[k] == ev.n[k] == held[k].sum()
 
 
+@pytest.mark.slow
 def test_minibatch_steps_read_only_their_group_of_chunks(tiny, refreshed):
   """step_chunks = 2 of 8 chunks (each strided over the ring): 4 groups covering every chunk
   once; one step reads group 0 alone, so replacing every training record outside it leaves the
@@ -420,6 +421,7 @@ def test_minibatch_steps_read_only_their_group_of_chunks(tiny, refreshed):
   assert not leaves_equal(heads_after(cfg, state.reservoir, 2), heads_after(cfg, swapped, 2))
 
 
+@pytest.mark.slow
 def test_chunk_size_does_not_change_what_a_step_reads(tiny, refreshed):
   """Chunks are strided over the ring, so a minibatch step of half the records reads the same
   records (the even slots) in 8 chunks of 16 as in 2 chunks of 64: the same refresh, up to the

@@ -177,6 +177,7 @@ def test_bad_input(trained_model, batch, kw, match):
                    **args)
 
 
+@pytest.mark.slow
 def test_train_step_hands_out_its_forward_without_changing_the_update(trained_model, batch):
   config, params, _ = trained_model
   arr, plens, toks, lens, hid, _ = batch
@@ -201,6 +202,7 @@ def test_train_step_hands_out_its_forward_without_changing_the_update(trained_mo
     grpo.make_train_step(config, cfg, mesh=mesh, return_hidden=1)
 
 
+@pytest.mark.slow  # (the deprecated adaptation path)
 def test_adaptation_takes_trainer_records(trained_model, batch):
   config, params, _ = trained_model
   arr, plens, toks, lens, hid, heads = batch
