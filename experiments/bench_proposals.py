@@ -177,7 +177,7 @@ def run_temperature(a, config, params, tok, path, temperature, sink=lambda t, ro
     if hd is None:
       continue
     hq[name] = CH.hit_rates(config, params, hd, np.asarray(held.tokens), np.asarray(held.lengths),
-                            np.asarray(held.hidden), sampling=sampling)
+                            np.asarray(held.hidden), sampling=sampling).to_dict()
   return {"temperature": temperature, "rows": rows, "head_quality": hq,
           "expected_by_nodes": quality}
 

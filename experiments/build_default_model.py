@@ -129,7 +129,8 @@ def fit_and_save_cond_heads(path, *, task=None, num_prompts: int = 2048, steps: 
                                 task=task)
   return {"cond_heads_fit": f"K=3, {num_prompts} train prompts x 1 at T=1, {max_new_tokens} "
                             f"tokens, {steps} AdamW steps, soft self-distillation",
-          "cond_heads_heldout": CH.hit_rates(config, params, hd, *held, sampling=sampling)}
+          "cond_heads_heldout": CH.hit_rates(config, params, hd, *held,
+                                             sampling=sampling).to_dict()}
 
 
 def main(argv=None):

@@ -23,6 +23,8 @@ rollout's temperature and top-k/top-p; no extra target forward), plus the sample
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -216,8 +218,33 @@ def fit(config: ModelConfig, params, heads: CondHeads, tokens, lengths, hidden, 
   return heads, np.asarray(jax.device_get(jnp.stack(history)))
 
 
+@dataclasses.dataclass(frozen=True)
+class HitRates:
+  """Head 1's held-out quality (``hit_rates``) over ``anchors`` anchors, per k in ``ks``: hit (the
+  share of anchors whose next-but-one sampled token is in the head's top-k), mass (the target mass
+  the head's top-k hold: its expected hit) and bound (the mass of the target's own top-k)."""
+
+  anchors: int
+  ks: tuple[int, ...]
+  hit: tuple[float, ...]
+  mass: tuple[float, ...]
+  bound: tuple[float, ...]
+
+  def at(self, k: int) -> tuple[float, float, float]:
+    """(hit, mass, bound) at top-k (k one of ``ks``)."""
+    i = self.ks.index(k)
+    return self.hit[i], self.mass[i], self.bound[i]
+
+  def to_dict(self) -> dict:
+    """Plain values for a JSON file: anchors and "hit@k", "mass@k", "bound@k" per k."""
+    out = {"anchors": self.anchors}
+    for k, h, m, b in zip(self.ks, self.hit, self.mass, self.bound, strict=True):
+      out.update({f"hit@{k}": h, f"mass@{k}": m, f"bound@{k}": b})
+    return out
+
+
 def hit_rates(config: ModelConfig, params, heads, tokens, lengths, hidden, *,
-              sampling: _sampling.SamplingConfig, ks=(1, 4), batch: int = 512) -> dict:
+              sampling: _sampling.SamplingConfig, ks=(1, 4), batch: int = 512) -> HitRates:
   """Held-out quality of head 1 against the bound, on rollouts at ``sampling``: for each k in
   ``ks``, the share of anchors whose next-but-one sampled token is in the head's top-k ("hit"),
   the target mass the head's top-k hold (its expected hit), and the bound: the mass of the
@@ -252,12 +279,11 @@ def hit_rates(config: ModelConfig, params, heads, tokens, lengths, hidden, *,
     qmass.append(np.asarray(b_))
     pmass.append(np.asarray(c))
   qtop, qm, pm = np.concatenate(qtops), np.concatenate(qmass), np.concatenate(pmass)
-  out = {"anchors": int(len(anchor))}
-  for k in ks:
-    out[f"hit@{k}"] = float((qtop[:, :k] == labels[:, :1]).any(1).mean())
-    out[f"mass@{k}"] = float(qm[:, :k].sum(1).mean())
-    out[f"bound@{k}"] = float(pm[:, :k].sum(1).mean())
-  return out
+  ks = tuple(int(k) for k in ks)
+  return HitRates(anchors=int(len(anchor)), ks=ks,
+                  hit=tuple(float((qtop[:, :k] == labels[:, :1]).any(1).mean()) for k in ks),
+                  mass=tuple(float(qm[:, :k].sum(1).mean()) for k in ks),
+                  bound=tuple(float(pm[:, :k].sum(1).mean()) for k in ks))
 
 
 def save(path, heads: CondHeads) -> None:
@@ -302,5 +328,5 @@ def is_file(path) -> bool:
     return (f.metadata() or {}).get("kind") == KIND
 
 
-__all__ = ["CondHeads", "apply", "fit", "head_state", "hit_rates", "init", "is_file", "load",
-           "loss_fn", "save", "states", "training_examples", "validate"]
+__all__ = ["CondHeads", "HitRates", "apply", "fit", "head_state", "hit_rates", "init",
+           "is_file", "load", "loss_fn", "save", "states", "training_examples", "validate"]

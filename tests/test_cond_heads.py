@@ -84,8 +84,9 @@ def test_fit_lowers_the_loss_and_beats_medusa(trained_model, fitted, rollouts):
                           steps=150, batch_size=128, progress=False)
   q_cond = CH.hit_rates(config, params, ch, *rollouts, sampling=SAMPLING)
   q_med = CH.hit_rates(config, params, medusa, *rollouts, sampling=SAMPLING)
-  assert q_cond["mass@4"] > q_med["mass@4"]  # (in-sample: the property is that it reads the root)
-  assert q_cond["mass@4"] <= q_cond["bound@4"] + 1e-6
+  assert q_cond.at(4)[1] > q_med.at(4)[1]  # (in-sample: the property is that it reads the root)
+  assert q_cond.at(4)[1] <= q_cond.at(4)[2] + 1e-6
+  assert q_cond.to_dict()["mass@4"] == q_cond.at(4)[1]
 
 
 def test_cond_heads_validation(trained_model):
