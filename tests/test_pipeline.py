@@ -59,3 +59,36 @@ def test_run_static_heads_rollout_with_root_conditioned_heads(trained_model, tmp
   assert (np.asarray(s.tokens) == np.asarray(v.tokens)).all()
   assert (np.asarray(s.lengths) == np.asarray(v.lengths)).all()
   assert s.stats.spec is not None and s.stats.forwards > 0
+
+
+@pytest.mark.slow  # a train step and a rollout compile
+def test_grpo_step_is_a_function_of_state_and_batch(trained_model, tmp_path):
+  """``GRPOTrainer.step(state, batch)``: the same state and batch give the same next state and
+  metrics (timings aside), the step counter advances, and the step writes nothing (the app,
+  ``Run``, writes the trace, metrics line and checkpoint)."""
+  import dataclasses
+
+  import jax
+  import jax.numpy as jnp
+  from conftest import leaves_equal
+
+  from specroll_jax.grpo import GRPOConfig
+  from specroll_jax.grpo.loop import Run, RunConfig
+  from specroll_jax.grpo.trainer import StepMetrics
+
+  config, params, tok = trained_model
+  run = RunConfig(grpo=GRPOConfig(group_size=2), prompts_per_step=2, max_new_tokens=12, steps=1,
+                  rollout="vanilla", vanilla_buckets=(1.0,))
+  r = Run(run, config, params, tok, None, tmp_path, log=lambda *a: None)
+  copy = lambda st: dataclasses.replace(st, train=jax.tree.map(jnp.array, st.train))
+  batch = r.batch(0)
+  (s1, a), (s2, b) = (r.trainer.step(copy(r.state), batch) for _ in range(2))
+  assert s1.step == s2.step == r.state.step + 1 == 1
+  assert leaves_equal(s1.train, s2.train)
+  assert int(s1.train.step) == int(r.state.train.step) + 1  # one optimizer update
+  untimed = lambda m: {k: v for k, v in m.to_dict().items() if not k.endswith("_seconds")}
+  assert untimed(a.metrics) == untimed(b.metrics)
+  assert StepMetrics.from_dict(a.metrics.to_dict()) == a.metrics  # a metrics line round-trips
+  np.testing.assert_array_equal(a.rows.tokens, b.rows.tokens)
+  assert r.metrics_path.read_text() == "" and r.ckpt.latest_step() is None
+  r.close()

@@ -162,8 +162,10 @@ class GRPOTrainer:
   tokenizer, the compiled train step over the default mesh, the rollout (the ``SpecRoll`` object,
   the static heads or the vanilla engine) and this process's rows. Holds no state between calls.
 
-  ``init(params, heads)`` -> the first ``LoopState``; ``step(state, batch)`` -> (state,
+  ``init(train_state)`` -> the first ``LoopState``; ``step(state, batch)`` -> (state,
   ``StepResult``); ``warmup(state, batch)`` compiles both programs without changing ``state``.
+  The same state and batch give the same result (timings aside). ``state.train`` is donated to
+  the train step, as ``make_train_step``'s state is: carry the returned state on.
   """
 
   def __init__(self, run, config, tok, heads, prompt_width: int):
