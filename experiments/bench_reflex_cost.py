@@ -248,7 +248,7 @@ def open_gates(state, seed: int):
   full = lambda x: jnp.full((n, k), x, jnp.float32)
   fast = reflex.FastState(m=0.05 * jax.random.normal(jax.random.key(seed), (n, k, d)),
                           count=full(200.0), mean=full(0.3), m2=full(2.0), severity=full(50.0))
-  return rows.replace(fast=fast), shared
+  return state.replace(rows=rows.replace(fast=fast))
 
 
 def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, accept: int,
@@ -298,7 +298,7 @@ def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, 
       if opened:
         state = open_gates(state, seed)
       if regime == "tail":  # a quarter of the batch left: the row-adaptive stride is 1
-        state = (state[0], state[1].replace(batch_rows=jnp.int32(4 * rows)))
+        state = state.replace(shared=state.shared.replace(batch_rows=jnp.int32(4 * rows)))
     fn = _proposer_run(prop, config, target.sampling, rows=rows, nodes=nodes, accept=accept,
                        steps=steps)
     cases.append((fn, (params, pparams, state, hidden, root, pos)))

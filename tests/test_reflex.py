@@ -465,7 +465,7 @@ def test_skipped_bookkeeping_is_exact(trained_model, monkeypatch, case):
   # 13 (head 3) and 14 (every head) wait. idle: nothing written, nothing due, all 6 wait
   matured = np.asarray(skipped[2].matured).tolist()
   assert matured == ([r, 2 * r, r] if case == "busy" else [0, 0, 0])
-  waiting = (np.asarray(skipped[1][0].pending.position) >= 0).sum((0, 2)).tolist()
+  waiting = (np.asarray(skipped[1].rows.pending.position) >= 0).sum((0, 2)).tolist()
   assert waiting == ([r, r, 2 * r] if case == "busy" else [2 * r] * 3)
 
 

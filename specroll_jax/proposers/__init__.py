@@ -12,7 +12,14 @@ prompt) and ``Merged`` (both in one tree). ``ReflexProposer``: heads with Reflex
 root-conditioned heads (what ``specroll_jax.SpecRoll`` proposes with by default).
 """
 
-from specroll_jax.proposers.base import Feedback, ProposeInput, Proposer, RowsInit, Target
+from specroll_jax.proposers.base import (
+  Feedback,
+  ProposeInput,
+  Proposer,
+  RowsInit,
+  RowsShared,
+  Target,
+)
 from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext
 from specroll_jax.proposers.heads import HeadsProposer
 from specroll_jax.proposers.lookup import HeadsAndLookup, LookupState, PromptLookup
@@ -31,5 +38,5 @@ from specroll_jax.tree import Tree
 __all__ = ["Feedback", "GroupLookup", "HeadsAndLookup", "HeadsParams", "HeadsProposer",
            "LookupContext", "LookupState", "Merged", "MergedParams", "MergedReflex",
            "MergedReflexParams", "MergedReflexStats", "PromptLookup", "ProposeInput", "Proposer",
-           "RankedHeads", "RankedProposer", "ReflexParams", "ReflexProposer", "RowsInit", "Target",
-           "Tree", "TreeStats"]
+           "RankedHeads", "RankedProposer", "ReflexParams", "ReflexProposer", "RowsInit",
+           "RowsShared", "Target", "Tree", "TreeStats"]

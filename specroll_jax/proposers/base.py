@@ -108,6 +108,19 @@ class Feedback:
   history: Int[Array, "R C"] | None = None  # the row's tokens by position after this commit
 
 
+@flax.struct.dataclass
+class RowsShared:
+  """A proposer state in two parts: ``rows`` (every leaf [R, ...], compacted with the batch's
+  rows) and ``shared`` (state across rows, e.g. per GRPO group or a record buffer). Unpacks as
+  ``rows, shared = state``."""
+
+  rows: PyTree
+  shared: PyTree
+
+  def __iter__(self):
+    return iter((self.rows, self.shared))
+
+
 @dataclasses.dataclass(frozen=True)
 class Proposer:
   """Base class of proposers (frozen dataclass = the settings). Subclasses override the methods;

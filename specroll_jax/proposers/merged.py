@@ -15,8 +15,8 @@ import numpy as np
 from specroll_jax import head_kinds
 from specroll_jax import tree as _tree
 from specroll_jax._fields import check_int
-from specroll_jax.proposers.base import Proposer
-from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext
+from specroll_jax.proposers.base import Proposer, RowsShared
+from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext, LookupShared
 from specroll_jax.proposers.ranked import (
   RankedProposer,
   RankedRows,
@@ -27,7 +27,7 @@ from specroll_jax.proposers.ranked import (
 from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
 from specroll_jax.proposers.reflex_heads import ReflexParams, ReflexProposer
 from specroll_jax.reflex.config import ReflexConfig
-from specroll_jax.reflex.state import ReflexGlobal
+from specroll_jax.reflex.state import ReflexGlobal, ReflexRows, ReflexShared
 from specroll_jax.reflex.statistics import ReflexStats
 from specroll_jax.results import Summed
 
@@ -117,6 +117,35 @@ class MergedReflexParams:
 
 
 @flax.struct.dataclass
+class MergedReflexRows:
+  """``MergedReflex``'s per-row state: the ranked tree's (``RankedRows``) and Reflex's
+  (``ReflexRows``). Unpacks as ``ranked, reflex``."""
+
+  ranked: RankedRows
+  reflex: ReflexRows
+
+  def __iter__(self):
+    return iter((self.ranked, self.reflex))
+
+
+@flax.struct.dataclass
+class MergedReflexShared:
+  """``MergedReflex``'s shared state: the lookup's (``LookupShared``) and Reflex's
+  (``ReflexShared``). Unpacks as ``lookup, reflex``."""
+
+  lookup: LookupShared
+  reflex: ReflexShared
+
+  def __iter__(self):
+    return iter((self.lookup, self.reflex))
+
+
+def _state(ranked, rrows, lshared, rshared) -> RowsShared:
+  return RowsShared(rows=MergedReflexRows(ranked=ranked, reflex=rrows),
+                    shared=MergedReflexShared(lookup=lshared, reflex=rshared))
+
+
+@flax.struct.dataclass
 class MergedReflexStats(Summed):
   """What a ``MergedReflex`` rollout counts: the ranked tree's per-bin outcomes (calibration,
   goodput) and Reflex's per-head statistics."""
@@ -131,8 +160,8 @@ class MergedReflex(Proposer):
   the fast path, docs/design.md "Reflex") and the group-aware lookup in one tree ranked by
   calibrated acceptance. The heads' tree settings (topk, beams, max_nodes) are ``merged.heads``'s;
   ``reflex`` holds every other Reflex constant (its tree fields are overwritten to match).
-  Parameters: ``MergedReflexParams``; state: ((``RankedRows``, ``ReflexRows``),
-  (``LookupShared``, ``ReflexShared``)); statistics: ``MergedReflexStats``.
+  Parameters: ``MergedReflexParams``; state: ``RowsShared(MergedReflexRows, MergedReflexShared)``;
+  statistics: ``MergedReflexStats``.
 
   With Reflex asleep or off, ``Merged`` with the same ``merged`` settings proposes the same tree
   from uncorrected heads; both count the same ``TreeStats``."""
@@ -190,13 +219,13 @@ class MergedReflex(Proposer):
     rrows, rshared = self.inner.init(target, _inner_params(params), rows)
     ranked = RankedRows.zeros(rows.row.shape[0], self.capacity)
     lshared = self.merged.lookup.init_shared(target, params.lookup, rows)
-    return (ranked, rrows), (lshared, rshared)
+    return _state(ranked, rrows, lshared, rshared)
 
   def split_state(self, state):
-    return state
+    return state.rows, state.shared
 
   def join_state(self, rows, shared):
-    return rows, shared
+    return RowsShared(rows=rows, shared=shared)
 
   def propose(self, target, params, state, inp, *, num_nodes):
     (ranked, rrows), (lshared, rshared) = state
@@ -208,20 +237,20 @@ class MergedReflex(Proposer):
     cl = cl.replace(bin=cl.bin + heads.num_bins)
     table = params.heads.acceptance.reshape(-1)
     tr, (rrows, rshared), sel = self.inner.propose_with(
-        target, _inner_params(params), (rrows, rshared), inp, num_nodes=num_nodes,
-        table=table, extra=cl, ranks=self.capacity + 1)
+        target, _inner_params(params), RowsShared(rows=rrows, shared=rshared), inp,
+        num_nodes=num_nodes, table=table, extra=cl, ranks=self.capacity + 1)
     ranked = ranked_after_propose(ranked, sel, found, inp.budget, num_nodes)
-    return tr, ((ranked, rrows), (lshared, rshared))
+    return tr, _state(ranked, rrows, lshared, rshared)
 
   def update(self, target, params, state, fb):
     (ranked, rrows), (lshared, rshared) = state
     (rrows, rshared), rstats = self.inner.update(target, _inner_params(params),
-                                                 (rrows, rshared), fb)
+                                                 RowsShared(rows=rrows, shared=rshared), fb)
     ranked, tstats = ranked_update(ranked, fb, self.merged.num_bins)
-    return ((ranked, rrows), (lshared, rshared)), MergedReflexStats(tree=tstats, reflex=rstats)
+    return _state(ranked, rrows, lshared, rshared), MergedReflexStats(tree=tstats, reflex=rstats)
 
   def expected_gain(self, state, num_nodes: int):
-    return state[0][0].expected[:, min(num_nodes, self.capacity)]
+    return state.rows.ranked.expected[:, min(num_nodes, self.capacity)]
 
   def init_stats(self) -> MergedReflexStats:
     return MergedReflexStats(tree=TreeStats.zeros(self.merged.num_bins, self.capacity + 1),
@@ -233,4 +262,5 @@ def _inner_params(params: MergedReflexParams) -> ReflexParams:
   return ReflexParams(heads=params.heads.heads, reflex=params.reflex)
 
 
-__all__ = ["Merged", "MergedParams", "MergedReflex", "MergedReflexParams", "MergedReflexStats"]
+__all__ = ["Merged", "MergedParams", "MergedReflex", "MergedReflexParams", "MergedReflexRows",
+           "MergedReflexShared", "MergedReflexStats"]

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import tree as _tree
-from specroll_jax.proposers.base import Proposer
+from specroll_jax.proposers.base import Proposer, RowsShared
 from specroll_jax.results import Summed
 
 NUM_FOUND = 3  # lookup sources (own, sibling, prior) whose hits ``TreeStats.found`` counts
@@ -88,14 +88,14 @@ class RankedProposer(Proposer):
     return ()
 
   def init(self, target, params, rows):
-    return RankedRows.zeros(rows.row.shape[0], self.capacity), self.init_shared(target, params,
-                                                                                 rows)
+    return RowsShared(rows=RankedRows.zeros(rows.row.shape[0], self.capacity),
+                      shared=self.init_shared(target, params, rows))
 
   def split_state(self, state):
-    return state
+    return state.rows, state.shared
 
   def join_state(self, rows, shared):
-    return rows, shared
+    return RowsShared(rows=rows, shared=shared)
 
   def propose(self, target, params, state, inp, *, num_nodes):
     rows, shared = state
@@ -104,15 +104,16 @@ class RankedProposer(Proposer):
     cands, found = self.candidates(target, params, shared, inp, num_nodes=num_nodes)
     tr, sel = _tree.select(inp.root, cands, inp.budget, num_nodes=num_nodes,
                            max_depth=self.max_depth, ranks=self.capacity + 1)
-    return tr, (ranked_after_propose(rows, sel, found, inp.budget, num_nodes), shared)
+    return tr, RowsShared(rows=ranked_after_propose(rows, sel, found, inp.budget, num_nodes),
+                          shared=shared)
 
   def update(self, target, params, state, fb):
     rows, shared = state
     rows, stats = ranked_update(rows, fb, self.num_bins)
-    return (rows, shared), stats
+    return RowsShared(rows=rows, shared=shared), stats
 
   def expected_gain(self, state, num_nodes: int):
-    return state[0].expected[:, min(num_nodes, self.capacity)]
+    return state.rows.expected[:, min(num_nodes, self.capacity)]
 
   def init_stats(self):
     return TreeStats.zeros(self.num_bins, self.capacity + 1)

@@ -16,7 +16,7 @@ from specroll_jax._vma import vary_like
 from specroll_jax.cond_heads import CondHeads
 from specroll_jax.heads import Heads
 from specroll_jax.models import decoder as _dec
-from specroll_jax.proposers.base import Proposer
+from specroll_jax.proposers.base import Proposer, RowsShared
 from specroll_jax.proposers.heads import effective_topk
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.reflex.config import _TINY, ReflexConfig
@@ -51,7 +51,7 @@ class ReflexParams:
 @dataclasses.dataclass(frozen=True)
 class ReflexProposer(Proposer):
   """Future-token heads with Reflex corrections. Parameters: ``ReflexParams``
-  (``ReflexProposer.params``); state: (``ReflexRows``, ``ReflexShared``)."""
+  (``ReflexProposer.params``); state: ``RowsShared(ReflexRows, ReflexShared)``."""
 
   config: ReflexConfig = ReflexConfig()
 
@@ -97,10 +97,10 @@ class ReflexProposer(Proposer):
                        f"({self.config.num_heads},)")
 
   def split_state(self, state):
-    return state
+    return state.rows, state.shared
 
   def join_state(self, rows, shared):
-    return rows, shared
+    return RowsShared(rows=rows, shared=shared)
 
   def init(self, target, params, rows):
     cfg = self.config
@@ -129,7 +129,7 @@ class ReflexProposer(Proposer):
                             path=k if cfg.conditioned else 0)
     shared = ReflexShared(batch_rows=jnp.int32(r),
                           group=_zeros_fast(groups, k, d) if share else None, records=recs)
-    return row_state, shared
+    return RowsShared(rows=row_state, shared=shared)
 
   # -- fast state views (per row, or gathered from the row's group)
 
@@ -200,7 +200,7 @@ class ReflexProposer(Proposer):
                         lcb_n=rows.lcb_n + finite_low.astype(jnp.int32),
                         expected=(None if expected is None
                                   else jnp.where(active[:, None], expected, 0.0)))
-    return tr, (rows, shared), sel
+    return tr, RowsShared(rows=rows, shared=shared), sel
 
   def _record(self, target, fast: FastState, inp, tr, z, zc, c, logits, ctx, eligible, rnd,
               rnd_k, pend: Pending) -> Pending:
@@ -339,7 +339,7 @@ class ReflexProposer(Proposer):
                         proposed=jnp.zeros_like(rows.proposed),
                         ratio_sum=jnp.zeros_like(rows.ratio_sum),
                         lcb_sum=jnp.zeros_like(rows.lcb_sum), lcb_n=zk)
-    return (rows, shared), stats
+    return RowsShared(rows=rows, shared=shared), stats
 
   def _mature(self, target, pend: Pending, fb, due, j, jc, n_commit, rho, records) -> _Matured:
     """What the records that mature in this step contribute (all zeros, and ``records`` as is,
@@ -426,7 +426,7 @@ class ReflexProposer(Proposer):
     return jax.lax.cond(due.sum() > m, dense, compact)
 
   def expected_gain(self, state, num_nodes: int):
-    rows = state[0]
+    rows = state.rows
     if rows.expected is None:
       return None
     return rows.expected[:, min(num_nodes, self.capacity)]
