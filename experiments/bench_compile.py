@@ -8,13 +8,15 @@
 Programs: the vanilla engine and the speculative engine with ``Merged`` (root-conditioned heads +
 group lookup) and ``MergedReflex``, each with 1 and 4 buckets (4 nodes per row in every speculative
 bucket); ``--programs trainer`` adds the gradient of the responses' logprobs (a GRPO step's model
-part). Each under each layer loop (``decoder.LayerLoop``): "unroll" (every forward unrolled),
-"mixed" (forwards without a cache scanned, steps over the cache unrolled) and "scan" (every forward
-scanned, stacked KV cache); the table's title names the library's default. Each program is traced
-afresh (``jax.clear_caches()``, a new ``jax.jit``) and timed once, after one untimed warm-up
-compile: lower seconds (trace + StableHLO) and compile seconds (XLA), wall clock and this process's
-CPU seconds (steadier when other jobs share the cores). ``--run R`` also times warm calls, R rounds
-over the loops in turn (median per loop).
+part), ``--programs cost`` goodput's cost model as the default ``SpecRoll`` measures it
+(``SpecRoll.measure_cost``, an empty cost cache: every program it compiles, with jax's own compile
+events summed; the default layer loop). Each under each layer loop (``decoder.LayerLoop``):
+"unroll" (every forward unrolled), "mixed" (forwards without a cache scanned, steps over the cache
+unrolled) and "scan" (every forward scanned, stacked KV cache); the table's title names the
+library's default. Each program is traced afresh (``jax.clear_caches()``, a new ``jax.jit``) and
+timed once, after one untimed warm-up compile: lower seconds (trace + StableHLO) and compile
+seconds (XLA), wall clock and this process's CPU seconds (steadier when other jobs share the
+cores). ``--run R`` also times warm calls, R rounds over the loops in turn (median per loop).
 
 ``--layers N`` widens the model to N layers of the same width (``models.widen``: the added layers
 are identities, so tokens and acceptance stay the embedded model's); ``--shape`` widens it into a
@@ -44,7 +46,10 @@ from specroll_jax.reflex import init_global
 from specroll_jax.specroll import DEFAULT_REFLEX
 
 LOOPS = ("unroll", "mixed", "scan")
-PROGRAMS = ("vanilla", "merged", "merged_reflex", "trainer")
+PROGRAMS = ("vanilla", "merged", "merged_reflex", "trainer", "cost")
+COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "lower_s",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+                  "/jax/core/compile/backend_compile_duration": "compile_s"}
 
 
 def _policy(name: str) -> decoder.LayerLoop:
@@ -106,6 +111,43 @@ def engine_and_args(kind: str, buckets: int, config, params, heads, tok, a, pb):
     pp = prop.params(heads, init_global(prop.reflex))
   eng = engines.SpecEngine.build(config, proposer=prop, spec=spec, **common)
   return eng, (params, pp, batch)
+
+
+def cost_model_seconds(config, params, heads, ids, a) -> dict:
+  """Seconds of goodput's cost measurement as the default ``SpecRoll`` runs it on this batch:
+  wall clock in all, and jax's trace + lower and XLA compile seconds and program count (its
+  compile events), from an empty cost cache."""
+  import os
+  import tempfile
+
+  from specroll_jax.specroll import SpecRoll
+  sr = SpecRoll(config, group_size=a.group, max_new_tokens=a.max_new_tokens)
+  state = sr.init(heads)
+  batch = sr.batch(ids, np.arange(len(ids)))
+  sums = {"lower_s": 0.0, "compile_s": 0.0, "programs": 0}
+
+  def listen(event, secs, **_):
+    if event in COMPILE_EVENTS:
+      sums[COMPILE_EVENTS[event]] += secs
+      sums["programs"] += event.endswith("backend_compile_duration")
+
+  jax.clear_caches()
+  old = os.environ.get("SPECROLL_CACHE")
+  with tempfile.TemporaryDirectory() as tmp:
+    os.environ["SPECROLL_CACHE"] = tmp
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+      t0 = time.perf_counter()
+      cost = sr.measure_cost(params, state, batch)
+      wall = time.perf_counter() - t0
+    finally:
+      jax.monitoring.unregister_event_duration_listener(listen)
+      if old is None:
+        os.environ.pop("SPECROLL_CACHE")
+      else:
+        os.environ["SPECROLL_CACHE"] = old
+  return {**sums, "total_s": wall, "cost_rows": list(cost.rows),
+          "cost_nodes": list(cost.node_counts)}
 
 
 def compile_once(engine, args, loop: str, lower_only: bool):
@@ -181,7 +223,15 @@ def main(argv=None):
   eng, args = engine_and_args("vanilla", 1, config, params, heads, tok, a, pb)
   compile_once(eng, args, a.loops[0], a.lower_only)  # warm-up: a process's first compile is slower
   results = []
+  if "cost" in a.programs and (a.shape is not None or a.lower_only):
+    cli.fail("--programs", "cost", "times a real measurement: drop --shape / --lower-only")
   for kind in a.programs:
+    if kind == "cost":
+      r = {"program": "cost", "buckets": 1, "loop": "default",
+           **cost_model_seconds(config, params, heads, ids, a)}
+      print(json.dumps(r), flush=True)
+      results.append(r)
+      continue
     for b in (1,) if kind == "trainer" else a.buckets:
       eng, args = engine_and_args(kind, b, config, params, heads, tok, a, pb)
       rows, compiled = {}, {}
@@ -213,6 +263,8 @@ def report(results: list[dict], meta: dict) -> None:
   """One row per program; each cell lists the loops in the order of the header."""
   from rich.console import Console
   from rich.table import Table
+  costs = [r for r in results if r["program"] == "cost"]
+  results = [r for r in results if r["program"] != "cost"]
   by = {(r["program"], r["buckets"], r["loop"]): r for r in results}
   loops = [lp for lp in LOOPS if any(r["loop"] == lp for r in results)]
   cols = [k for k in ("lower_s", "compile_s", "compile_cpu_s", "run_s")  # the rest: in the JSON
@@ -240,7 +292,17 @@ def report(results: list[dict], meta: dict) -> None:
     row.append(" / ".join(f"{r[key] / v[key]:.2f}" if v else "-"
                           for r, v in zip(rs, van, strict=True)))
     t.add_row(*row)
-  Console(width=200).print(t)
+  con = Console(width=200)
+  if results:
+    con.print(t)
+  for r in costs:
+    van = by.get(("vanilla", 1, "mixed"))
+    vs = "" if van is None else (f" ({r['compile_s'] / van['compile_s']:.2f}x the 1-bucket "
+                                 "vanilla's compile)")
+    con.print(f"goodput's cost model ({meta['rows']} rows; rows {r['cost_rows']} x nodes "
+              f"{r['cost_nodes']}): {r['programs']} programs compiled, trace + lower "
+              f"{r['lower_s']:.1f} s, XLA compile {r['compile_s']:.1f} s{vs}, "
+              f"{r['total_s']:.1f} s in all with the timed steps")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,13 @@
 
   .venv/bin/python experiments/bench_specroll.py                  # both parts, T = 1, 0.7, 0
   .venv/bin/python experiments/bench_specroll.py --quick          # CI-sized smoke run
+  .venv/bin/python experiments/bench_specroll.py --parts defaults --tasks synthetic \
+      --widen 0.5b --prompts 1 --group 2 --temperatures 1   # a batch's tail at a real shape
+
+--widen SHAPE runs part 1 on the embedded model widened into a Qwen2.5 shape (``models.widen``,
+f32 unless --dtype): the embedded model's tokens and acceptance at the real shape's cost per
+forward; with few rows (--prompts 1 --group 2) it is the tail of a GRPO batch, where a verify
+forward costs least over a plain step.
 
 Part 1, per task (the main job's synthetic problems, GSM8K) and temperature: a GRPO-shaped batch
 of --prompts *test* prompts x --group, rolled out by the compacting vanilla engine and by
@@ -32,7 +39,7 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import cli, pipeline, rollout
+from specroll_jax import cli, models, pipeline, rollout
 from specroll_jax.data import gsm8k, tasks
 from specroll_jax.slow_path import SlowPathConfig
 from specroll_jax.specroll import SpecRoll
@@ -71,6 +78,7 @@ def run_object(sr, params, state, tok, a, task, seed):
   return out, batch, {"seconds": float(np.median(times)), "tau": r.tau, "probe_tau": r.probe_tau,
                       "depth1": r.depth_acceptance[0] if r.depth_acceptance else None,
                       "mode": r.mode, "nodes": list(r.nodes), "compile_s": compile_s,
+                      "forwards": int(out.stats.forwards),
                       "reflex": r.reflex}
 
 
@@ -89,7 +97,7 @@ def part1(a, config, params, tok, heads, task, temperature):
                                        cache_length=van_batch.rows.cache_length))
   ref, t_van, c_van = _common.timed(lambda: van(a.seed), a.repeats)
   rows.append({"engine": "vanilla (compacting)", "seconds": t_van, "tau": 1.0,
-               "compile_s": c_van, "identical": True})
+               "compile_s": c_van, "forwards": int(ref.stats.forwards), "identical": True})
   for name, sr in (("SpecRoll defaults", base), (f"SpecRoll tree, {a.nodes} nodes/row", fixed)):
     out, _, row = run_object(sr, params, sr.init(heads), tok, a, task, a.seed)
     row.update(engine=name, identical=bool((np.asarray(out.tokens) == np.asarray(ref.tokens))
@@ -99,6 +107,7 @@ def part1(a, config, params, tok, heads, task, temperature):
           f"{t_van / row['seconds']:.2f}x, mode {row['mode']} {row['nodes']}", flush=True)
   for r in rows:
     r["vs_vanilla"] = t_van / r["seconds"]
+    r["ms_per_forward"] = 1e3 * r["seconds"] / max(r["forwards"], 1)
   return {"task": task, "temperature": temperature, "max_new_tokens": m, "rows": rows}
 
 
@@ -146,6 +155,10 @@ def main(argv=None):
   ap.add_argument("--shift-prompts", type=int, default=8)
   ap.add_argument("--ceiling-prompts", type=int, default=2048)
   ap.add_argument("--ceiling-steps", type=int, default=4000)
+  ap.add_argument("--widen", choices=sorted(models.QWEN25_SHAPES), default=None,
+                  help="part 1 on the embedded model widened into this Qwen2.5 shape")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                  help="the widened model's dtype")
   ap.add_argument("--quick", action="store_true", help="CI-sized: 2 prompts x 4, 24 tokens, T=1")
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, temperatures=0.0, nodes=1, warmup=0, repeats=1, shift_batches=1,
@@ -156,9 +169,17 @@ def main(argv=None):
     a.ceiling_prompts, a.ceiling_steps = 8, 10
   config, params, tok, path = _common.load_model(a)
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
+  if a.widen:
+    if "shift" in a.parts:
+      cli.fail("--parts", "shift", "--widen runs part 1 only (--parts defaults)")
+    config, params, heads = models.widen(config, params, models.QWEN25_SHAPES[a.widen],
+                                         key=jax.random.key(0), heads=heads, dtype=a.dtype)
   meta = {"command": "experiments/bench_specroll.py " + " ".join(argv or sys.argv[1:]),
           "cpu": _common.cpu_model(), "jax": jax.__version__,
-          "device": jax.devices()[0].device_kind, "model": str(path)}
+          "device": jax.devices()[0].device_kind, "model": str(path),
+          "widened": None if a.widen is None else {"shape": a.widen, "dtype": a.dtype,
+                                                   "layers": config.num_layers,
+                                                   "hidden": config.hidden_size}}
   res = {"meta": meta, "defaults": [], "shift": None}
   out = Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
@@ -184,14 +205,15 @@ def _print(res, a):
   t = Table(title=f"SpecRoll's defaults vs the compacting vanilla engine: {a.prompts} test prompts "
                   f"x G = {a.group} ({res['meta']['cpu']}; compile apart)")
   for c in ("task", "T", "engine", "mode / nodes", "tau", "tau of verified trees", "depth-1",
-            "seconds", "vs vanilla", "compile s", "identical"):
+            "seconds", "ms/forward", "vs vanilla", "compile s", "identical"):
     t.add_column(c)
   for block in res["defaults"]:
     for r in block["rows"]:
       fmt = lambda k, f="{:.3f}", r=r: "-" if r.get(k) is None else f.format(r[k])
       t.add_row(block["task"], str(block["temperature"]), r["engine"],
                 f"{r.get('mode', '-')} {r.get('nodes', '')}", fmt("tau"), fmt("probe_tau"),
-                fmt("depth1"), fmt("seconds"), fmt("vs_vanilla", "{:.2f}x"),
+                fmt("depth1"), fmt("seconds"), fmt("ms_per_forward", "{:.1f}"),
+                fmt("vs_vanilla", "{:.2f}x"),
                 fmt("compile_s", "{:.1f}"), str(r["identical"]))
   con.print(t)
   if res["shift"]:
