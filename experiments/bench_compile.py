@@ -74,8 +74,10 @@ def build_model(a):
     return config, params, heads, tok
   key = jax.random.key(a.seed)
   if a.shape is not None:  # abstract: shapes and dtypes only
-    widen = lambda p, h: models.widen(config, p, shape, key=key, heads=h, dtype=a.dtype)[1:]
-    params, heads = jax.eval_shape(widen, params, heads)
+    # the small model's weights are concrete (widen prepares them on the host); only the big
+    # arrays are abstract
+    widen = lambda: models.widen(config, params, shape, key=key, heads=heads, dtype=a.dtype)[1:]
+    params, heads = jax.eval_shape(widen)
     return widened_config(config, shape, dtype=a.dtype), params, heads, tok
   big_config, params, heads = models.widen(config, params, shape, key=key, heads=heads,
                                            dtype=a.dtype)

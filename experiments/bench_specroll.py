@@ -85,7 +85,8 @@ def run_object(sr, params, state, tok, a, task, seed):
 def part1(a, config, params, tok, heads, task, temperature):
   sampling = rollout.SamplingConfig(temperature=temperature)
   m = a.max_new_tokens if task == "gsm8k" else min(a.max_new_tokens, 48)
-  base = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=m)
+  more = {} if a.cost_nodes is None else {"cost_nodes": tuple(a.cost_nodes)}
+  base = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=m, **more)
   fixed = dataclasses.replace(base, budget="fixed", spec=dataclasses.replace(
       base.spec, nodes=(a.nodes,) * len(base.spec.bucket_fractions)))
   rows = []
@@ -155,14 +156,16 @@ def main(argv=None):
   ap.add_argument("--shift-prompts", type=int, default=8)
   ap.add_argument("--ceiling-prompts", type=int, default=2048)
   ap.add_argument("--ceiling-steps", type=int, default=4000)
+  ap.add_argument("--cost-nodes", type=int, nargs="+", default=None,
+                  help="node counts goodput prices and chooses from (default: SpecRoll's)")
   ap.add_argument("--widen", choices=sorted(models.QWEN25_SHAPES), default=None,
                   help="part 1 on the embedded model widened into this Qwen2.5 shape")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                   help="the widened model's dtype")
   ap.add_argument("--quick", action="store_true", help="CI-sized: 2 prompts x 4, 24 tokens, T=1")
   a = ap.parse_args(argv)
-  _common.check_shared_flags(a, temperatures=0.0, nodes=1, warmup=0, repeats=1, shift_batches=1,
-                             shift_prompts=1, ceiling_prompts=1, ceiling_steps=1)
+  _common.check_shared_flags(a, temperatures=0.0, nodes=1, cost_nodes=0, warmup=0, repeats=1,
+                             shift_batches=1, shift_prompts=1, ceiling_prompts=1, ceiling_steps=1)
   if a.quick:
     a.temperatures, a.prompts, a.group, a.max_new_tokens = [1.0], 2, 4, 24
     a.repeats, a.warmup, a.shift_batches, a.shift_prompts = 1, 1, 2, 2

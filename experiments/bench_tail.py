@@ -1,0 +1,172 @@
+"""The tail of a GRPO batch at a real model's cost: speculative steps vs vanilla steps, few rows.
+
+  .venv/bin/python experiments/bench_tail.py                 # widened Qwen2.5-0.5B, f32, 1 2 4 rows
+  .venv/bin/python experiments/bench_tail.py --quick         # CI-sized smoke run (tiny widening)
+
+The embedded model widened into a Qwen2.5 shape (``models.widen``: the embedded model's tokens and
+acceptance at the real shape's weight bytes and FLOPs per token), its root-conditioned heads widened
+with it. For each row count R (one synthetic test prompt x R samples: the rows a batch's tail
+keeps) the vanilla engine and the speculative engine (``Merged``: root-conditioned heads + group
+lookup, one bucket) with each of --nodes nodes per row, at --temperature. Each engine runs once to
+compile; then --rounds rounds call every engine in turn (the same machine state for all) and each
+engine's median is reported. The prefill is timed apart (a one-token rollout of the same prompts)
+and taken out: ms per step = (seconds - prefill) / steps. The table gives tau, steps, ms per step
+and its ratio to the vanilla step's, the speedup over vanilla (wall clock, prefill included) and
+whether the tokens are the vanilla engine's. Compile seconds apart. Writes JSON and a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import _common
+import jax
+import numpy as np
+
+from specroll_jax import cli, models, pipeline, rollout
+from specroll_jax.config import SpecConfig
+from specroll_jax.data import gsm8k, tasks
+from specroll_jax.proposers import GroupLookup, Merged, RankedHeads
+
+QUICK_SHAPE = models.WideShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=1,
+                               head_dim=64, intermediate_size=768)
+
+
+def _call(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  jax.block_until_ready(out.tokens)
+  return out, time.perf_counter() - t0
+
+
+def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
+  """Every engine at ``rows`` rows: compile, then --rounds interleaved timed rounds."""
+  ex = tasks.Task(name="synthetic").examples("test")[a.prompt]
+  ids = [tok.encode(gsm8k.format_prompt(ex.question))] * rows
+  batch, sids = pipeline.grpo_batch(ids[:1], rows)
+  pb = rollout.prepare_batch(config, batch, max_new_tokens=a.max_new_tokens, sample_ids=sids,
+                             eos_ids=tok.eos_ids)
+  kw = dict(prompt_lengths=pb.lengths, sample_ids=sids, seed=a.seed, eos_ids=tok.eos_ids,
+            sampling=rollout.SamplingConfig(temperature=a.temperature),
+            options=rollout.DecodeOptions(cache_length=pb.cache_length))
+  mg = Merged(heads=RankedHeads(max_nodes=8), lookup=GroupLookup(group_size=rows), max_nodes=8)
+  pp = mg.params(heads)
+  fns = {"prefill": lambda: rollout.generate(config, params, pb.tokens, max_new_tokens=1, **kw),
+         "vanilla": lambda: rollout.generate(config, params, pb.tokens,
+                                             max_new_tokens=a.max_new_tokens, **kw)}
+  for n in a.nodes:
+    sp = rollout.Speculation(mg, pp, SpecConfig(bucket_fractions=(1.0,), nodes=(n,)))
+    fns[f"{n} nodes"] = lambda sp=sp: rollout.generate(config, params, pb.tokens, speculation=sp,
+                                                       max_new_tokens=a.max_new_tokens, **kw)
+  first, outs, times = {}, {}, {k: [] for k in fns}
+  for k, fn in fns.items():
+    outs[k], first[k] = _call(fn)
+  for _ in range(a.rounds):
+    for k, fn in fns.items():
+      times[k].append(_call(fn)[1])
+  sec = {k: float(np.median(v)) for k, v in times.items()}
+  ref = outs["vanilla"]
+  engines = []
+  for k in fns:
+    if k == "prefill":
+      continue
+    o = outs[k]
+    steps = int(o.stats.target_forwards)
+    engines.append({
+        "engine": k, "tau": o.stats.tokens_per_forward, "steps": steps, "seconds": sec[k],
+        "ms_per_step": 1e3 * (sec[k] - sec["prefill"]) / max(steps, 1),
+        "compile_s": max(first[k] - sec[k], 0.0),
+        "identical": bool((np.asarray(o.tokens) == np.asarray(ref.tokens)).all()
+                          and (np.asarray(o.lengths) == np.asarray(ref.lengths)).all())})
+  van = engines[0]
+  for e in engines:
+    e["step_vs_vanilla"] = e["ms_per_step"] / van["ms_per_step"]
+    e["speedup"] = van["seconds"] / e["seconds"]
+  return {"rows": rows, "prefill_s": sec["prefill"], "tokens": int(np.asarray(ref.lengths).sum()),
+          "engines": engines}
+
+
+def main(argv=None):
+  ap = cli.ArgumentParser(description=__doc__)
+  _common.add_shared_flags(ap, out="runs/bench_tail.json", prompts=None, max_new_tokens=48)
+  ap.add_argument("--shape", choices=sorted(models.QWEN25_SHAPES), default="0.5b",
+                  help="the Qwen2.5 shape to widen into")
+  ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+  ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows of the tail")
+  ap.add_argument("--nodes", type=int, nargs="+", default=[1, 2, 4], help="nodes per row")
+  ap.add_argument("--prompt", type=int, default=0, help="index of the synthetic test prompt")
+  ap.add_argument("--temperature", type=float, default=1.0)
+  ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--quick", action="store_true", help="CI-sized: a tiny widening, 2 rows")
+  a = ap.parse_args(argv)
+  _common.check_shared_flags(a, prompt=0, temperature=0.0, rounds=1, rows=1, nodes=1)
+  if a.quick:
+    a.rows, a.nodes, a.rounds, a.max_new_tokens = [2], [2], 1, 16
+  config, params, tok, path = _common.load_model(a)
+  heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
+  shape = QUICK_SHAPE if a.quick else models.QWEN25_SHAPES[a.shape]
+  config, params, heads = models.widen(config, params, shape, key=jax.random.key(0), heads=heads,
+                                       dtype=a.dtype)
+  meta = {"command": "experiments/bench_tail.py " + " ".join(argv or sys.argv[1:]),
+          "cpu": _common.cpu_model(), "jax": jax.__version__,
+          "device": jax.devices()[0].device_kind, "shape": "quick" if a.quick else a.shape,
+          "dtype": a.dtype, "layers": config.num_layers, "hidden": config.hidden_size,
+          "body_bytes": models.byte_count(config, a.dtype).body,
+          "temperature": a.temperature, "max_new_tokens": a.max_new_tokens}
+  res = {"meta": meta, "tails": []}
+  out = Path(a.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  for r in a.rows:
+    res["tails"].append(tail_rows(a, config, params, heads, tok, r))
+    out.write_text(json.dumps(res, indent=1))
+    print(f"  {r} rows done", flush=True)
+  _print(res)
+  _plot(res, out.with_suffix(".png"))
+  print(f"wrote {out} and {out.with_suffix('.png')}")
+  return res
+
+
+def _print(res):
+  from rich.console import Console
+  from rich.table import Table
+  m = res["meta"]
+  t = Table(title=f"The tail at the {m['shape']} shape ({m['layers']} layers x {m['hidden']}, "
+                  f"{m['dtype']}), T = {m['temperature']}, {m['max_new_tokens']} new tokens "
+                  f"({m['cpu']}; {m['device']}; compile apart)")
+  for c in ("rows", "prefill s", "engine", "tau", "steps", "ms/step", "step vs vanilla's",
+            "seconds", "vs vanilla", "compile s", "identical"):
+    t.add_column(c)
+  for tail in res["tails"]:
+    for e in tail["engines"]:
+      t.add_row(str(tail["rows"]), f"{tail['prefill_s']:.3f}", e["engine"], f"{e['tau']:.3f}",
+                str(e["steps"]), f"{e['ms_per_step']:.1f}", f"{e['step_vs_vanilla']:.2f}",
+                f"{e['seconds']:.3f}", f"{e['speedup']:.2f}x", f"{e['compile_s']:.1f}",
+                str(e["identical"]))
+  Console(width=200).print(t)
+
+
+def _plot(res, path):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+  for tail in res["tails"]:
+    es = tail["engines"][1:]
+    nodes = [int(e["engine"].split()[0]) for e in es]
+    ax[0].plot(nodes, [e["step_vs_vanilla"] for e in es], "o-", label=f"{tail['rows']} rows")
+    ax[1].plot(nodes, [e["speedup"] for e in es], "o-", label=f"{tail['rows']} rows")
+    ax[1].plot(nodes, [e["tau"] for e in es], "x:", color=ax[1].lines[-1].get_color())
+  ax[0].set(xlabel="nodes per row", ylabel="step cost / vanilla step", title="verify cost")
+  ax[1].axhline(1.0, color="grey", lw=0.8)
+  ax[1].set(xlabel="nodes per row", ylabel="speedup (o) and tau (x)", title="speedup vs vanilla")
+  for x in ax:
+    x.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+  main()
