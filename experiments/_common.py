@@ -19,15 +19,17 @@ def cpu_model() -> str:
 
 
 def add_shared_flags(ap, *, out: str, prompts: int | None = 8, group: int = 8,
-                     max_new_tokens: int | None = 256, model: bool = True,
+                     max_new_tokens: int | None = 256, model: bool = True, batch: bool = True,
                      prompts_help: str = "prompts per batch",
                      max_new_tokens_help: str = "response length limit") -> None:
-  """The flags every script shares, with the script's defaults (None: decided by the script)."""
+  """The flags every script shares, with the script's defaults (None: decided by the script);
+  ``batch=False`` leaves out --prompts and --group (a script that shapes its batches itself)."""
   if model:
     ap.add_argument("--model", default=None,
                     help="local HF model folder (default: the embedded tiny model)")
-  ap.add_argument("--prompts", type=int, default=prompts, help=prompts_help)
-  ap.add_argument("--group", type=int, default=group, help="responses per prompt (G)")
+  if batch:
+    ap.add_argument("--prompts", type=int, default=prompts, help=prompts_help)
+    ap.add_argument("--group", type=int, default=group, help="responses per prompt (G)")
   ap.add_argument("--max-new-tokens", type=int, default=max_new_tokens, help=max_new_tokens_help)
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--out", default=out, help=f"results path (default: {out})")
@@ -37,7 +39,16 @@ def check_shared_flags(a, **more_lower_bounds) -> None:
   """One line and exit 2 unless the shared flags (and ``more_lower_bounds``, as in
   ``cli.require``) are in range."""
   from specroll_jax import cli
-  cli.require(a, prompts=1, group=1, max_new_tokens=1, seed=0, **more_lower_bounds)
+  shared = {k: lo for k, lo in (("prompts", 1), ("group", 1), ("max_new_tokens", 1), ("seed", 0))
+            if hasattr(a, k)}
+  cli.require(a, **shared, **more_lower_bounds)
+
+
+def quick_shape():
+  """The small widening of the embedded model that the CPU smoke runs use (``--quick``)."""
+  from specroll_jax import models
+  return models.WideShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=1, head_dim=64,
+                          intermediate_size=768)
 
 
 def load_model(a):

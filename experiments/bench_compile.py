@@ -121,6 +121,7 @@ def cost_model_seconds(config, params, heads, ids, a) -> dict:
   compile events), from an empty cost cache."""
   import os
   import tempfile
+  from unittest import mock
 
   from specroll_jax.specroll import SpecRoll
   sr = SpecRoll(config, group_size=a.group, max_new_tokens=a.max_new_tokens)
@@ -134,9 +135,7 @@ def cost_model_seconds(config, params, heads, ids, a) -> dict:
       sums["programs"] += event.endswith("backend_compile_duration")
 
   jax.clear_caches()
-  old = os.environ.get("SPECROLL_CACHE")
-  with tempfile.TemporaryDirectory() as tmp:
-    os.environ["SPECROLL_CACHE"] = tmp
+  with tempfile.TemporaryDirectory() as tmp, mock.patch.dict(os.environ, SPECROLL_CACHE=tmp):
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:
       t0 = time.perf_counter()
@@ -144,10 +143,6 @@ def cost_model_seconds(config, params, heads, ids, a) -> dict:
       wall = time.perf_counter() - t0
     finally:
       jax.monitoring.unregister_event_duration_listener(listen)
-      if old is None:
-        os.environ.pop("SPECROLL_CACHE")
-      else:
-        os.environ["SPECROLL_CACHE"] = old
   return {**sums, "total_s": wall, "cost_rows": list(cost.rows),
           "cost_nodes": list(cost.node_counts)}
 

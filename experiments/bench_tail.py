@@ -31,9 +31,6 @@ from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k, tasks
 from specroll_jax.proposers import GroupLookup, Merged, RankedHeads
 
-QUICK_SHAPE = models.WideShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=1,
-                               head_dim=64, intermediate_size=768)
-
 
 def _call(fn):
   t0 = time.perf_counter()
@@ -45,8 +42,7 @@ def _call(fn):
 def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
   """Every engine at ``rows`` rows: compile, then --rounds interleaved timed rounds."""
   ex = tasks.Task(name="synthetic").examples("test")[a.prompt]
-  ids = [tok.encode(gsm8k.format_prompt(ex.question))] * rows
-  batch, sids = pipeline.grpo_batch(ids[:1], rows)
+  batch, sids = pipeline.grpo_batch([tok.encode(gsm8k.format_prompt(ex.question))], rows)
   pb = rollout.prepare_batch(config, batch, max_new_tokens=a.max_new_tokens, sample_ids=sids,
                              eos_ids=tok.eos_ids)
   kw = dict(prompt_lengths=pb.lengths, sample_ids=sids, seed=a.seed, eos_ids=tok.eos_ids,
@@ -91,7 +87,7 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
 
 def main(argv=None):
   ap = cli.ArgumentParser(description=__doc__)
-  _common.add_shared_flags(ap, out="runs/bench_tail.json", prompts=None, max_new_tokens=48)
+  _common.add_shared_flags(ap, out="runs/bench_tail.json", max_new_tokens=48, batch=False)
   ap.add_argument("--shape", choices=sorted(models.QWEN25_SHAPES), default="0.5b",
                   help="the Qwen2.5 shape to widen into")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -107,7 +103,7 @@ def main(argv=None):
     a.rows, a.nodes, a.rounds, a.max_new_tokens = [2], [2], 1, 16
   config, params, tok, path = _common.load_model(a)
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
-  shape = QUICK_SHAPE if a.quick else models.QWEN25_SHAPES[a.shape]
+  shape = _common.quick_shape() if a.quick else models.QWEN25_SHAPES[a.shape]
   config, params, heads = models.widen(config, params, shape, key=jax.random.key(0), heads=heads,
                                        dtype=a.dtype)
   meta = {"command": "experiments/bench_tail.py " + " ".join(argv or sys.argv[1:]),

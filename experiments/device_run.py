@@ -39,7 +39,7 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import _common  # noqa: E402, F401
+import _common  # noqa: E402
 import bench_kernels  # noqa: E402
 import device_check  # noqa: E402
 import jax  # noqa: E402
@@ -53,8 +53,6 @@ from specroll_jax.specroll import SpecRoll  # noqa: E402
 # The tail-of-batch split sweep: (num_splits, block_l) per config, None = the kernel's default.
 SPLIT_CONFIGS = [(1, None), (None, None), (4, None), (16, None), (32, None), (16, 64)]
 QUICK_SPLIT_CONFIGS = [(1, None), (3, None)]
-QUICK_SHAPE = models.WideShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=1,
-                               head_dim=64, intermediate_size=768)
 
 
 def _peak_bytes() -> int | None:
@@ -65,7 +63,7 @@ def _peak_bytes() -> int | None:
 def widened(a):
   config, params, tok, path = pipeline.load_model(None, progress=False)
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
-  shape = QUICK_SHAPE if a.quick else models.QWEN25_SHAPES[a.shape]
+  shape = _common.quick_shape() if a.quick else models.QWEN25_SHAPES[a.shape]
   config, params, heads = models.widen(config, params, shape, key=jax.random.key(0), heads=heads,
                                        dtype=a.dtype)
   return config, params, heads, tok

@@ -29,7 +29,7 @@ def test_quick_run_writes_a_consistent_tail(bench, tmp_path):
   out = tmp_path / "tail.json"
   bench.main(["--quick", "--out", str(out)])
   data = json.loads(out.read_text())
-  assert data["meta"]["cpu"] and data["meta"]["layers"] == bench.QUICK_SHAPE.num_layers
+  assert data["meta"]["cpu"] and data["meta"]["layers"] == bench._common.quick_shape().num_layers
   (tail,) = data["tails"]
   assert tail["rows"] == 2 and tail["prefill_s"] > 0
   van, spec = tail["engines"]
