@@ -199,7 +199,7 @@ def _shaped(prop, table):
   if isinstance(prop, GroupLookup):
     return np.asarray(table).reshape(prop.acceptance_shape)
   if isinstance(prop, RankedHeads):
-    return np.asarray(table).reshape(prop.num_heads, prop.q_bins)
+    return np.asarray(table).reshape(prop.num_heads, prop.depth_bins)
   return np.asarray(table)
 
 

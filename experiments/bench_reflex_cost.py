@@ -174,7 +174,8 @@ def verify_cases(config, params, heads, *, rows: int, nodes: int, cache: int, nu
   pos = jnp.full((rows,), cache - num_heads - 2, jnp.int32)
   tr, _ = jax.jit(lambda p, hd, h, r: prop.propose(target.replace(params=p), hd, (), ProposeInput(
       hidden=h, root=r, position=pos, history=jnp.zeros((rows, 1), jnp.int32), budget=budget,
-      row=jnp.arange(rows), sample_ids=jnp.arange(rows)), num_nodes=nodes))(
+      row=jnp.arange(rows), sample_ids=jnp.arange(rows), seed=jnp.zeros((rows,), jnp.uint32)),
+      num_nodes=nodes))(
           params, heads, hidden, root)
   kv = dec.init_cache(config, rows, cache)
   kv = kv.replace(lengths=pos)
@@ -208,7 +209,7 @@ def _proposer_run(proposer, config, sampling, *, rows: int, nodes: int, accept: 
       state, hidden, root, pos, acc = carry
       inp = ProposeInput(hidden=hidden, root=root, position=pos,
                          history=jnp.zeros((rows, 1), jnp.int32), budget=budget, row=rid,
-                         sample_ids=rid)
+                         sample_ids=rid, seed=jnp.zeros((rows,), jnp.uint32))
       tr, state = proposer.propose(target, pparams, state, inp, num_nodes=nodes)
       first = tr.tokens[:, min(1, tr.tokens.shape[1] - 1)]
       tokens = (first[:, None] + j) % v

@@ -36,7 +36,7 @@ from specroll_jax._fields import check_float, check_int, int_arg
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models import decoder as _dec
 
-__all__ = ["SamplingConfig", "allowed_logits", "first_argmax", "group_sample_ids",
+__all__ = ["SamplingConfig", "allowed_logits", "draft_keys", "first_argmax", "group_sample_ids",
            "gumbel_from_bits", "gumbel_noise", "inverse_temperature", "mix32", "row_key", "sample",
            "sample_from_hidden", "token_bits", "token_logprobs", "uniform_from_bits"]
 
@@ -159,6 +159,31 @@ def sample(
   lse = jax.nn.logsumexp(x, axis=-1)
   lp = jnp.take_along_axis(x, tok[..., None], axis=-1)[..., 0] - lse
   return tok.astype(jnp.int32), lp, nonfinite
+
+
+def draft_keys(logits: Float[Array, "*R V"], cfg: SamplingConfig, seed,
+               sample_ids: Int[Array, "*R"], positions: Int[Array, "*R"], *, coupled: bool):
+  """How a drafter ranks its candidates for the token at ``positions``: (keys [*R, V], log q
+  [*R, V]), its candidates being the top entries of ``keys`` and q its distribution over them.
+
+  coupled (docs/design.md, "Drafts coupled to the noise"): q is the drafter's logits under the
+  sampler's own rule (``allowed_logits``: tempered, top-k / top-p restricted) and the keys add the
+  target's own noise at the guessed position, the Gumbel of (seed, sample id, position, token)
+  ``sample`` adds. The first key's token is the one the target would sample were its logits the
+  drafter's (so it is the target's sample with probability at least (1 - TV) / (1 + TV) between
+  the two distributions: Gumbel coupling), and the top-k is a Gumbel-top-k draw without
+  replacement from q. Tokens the rule excludes key at -inf. Greedy (T = 0): no noise, the keys
+  are the logits: today's ranking. Not coupled: keys = log q = log_softmax(logits) at T = 1 (the
+  head's own probabilities, deterministic top-k)."""
+  if not coupled:
+    lq = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return lq, lq
+  x = allowed_logits(logits, cfg)
+  lq = jax.nn.log_softmax(x, axis=-1)
+  if cfg.greedy:
+    return x, lq
+  keys = x + gumbel_noise(seed, sample_ids, positions, x.shape[-1])
+  return jnp.where(x > MASKED_LOGIT / 2, keys, -jnp.inf), lq
 
 
 def token_logprobs(logits: Float[Array, "*R V"], tokens: Int[Array, "*R"], cfg: SamplingConfig):

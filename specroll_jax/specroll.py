@@ -158,12 +158,14 @@ class SpecRoll:
       check_type(self, "lookup", GroupLookup)
       object.__setattr__(self, "lookup", dataclasses.replace(self.lookup,
                                                              group_size=self.group_size))
+    if self.sampling.greedy and self.heads_tree.coupled:  # no noise to couple to at T = 0
+      object.__setattr__(self, "heads_tree", dataclasses.replace(self.heads_tree, coupled=False))
     if self.reflex is not None:
       check_type(self, "reflex", ReflexConfig)
       h = self.heads_tree
       object.__setattr__(self, "reflex", dataclasses.replace(
           self.reflex, num_heads=h.num_heads, topk=h.topk, beams=h.beams,
-          max_nodes=h.max_nodes, conditioned=True))
+          max_nodes=h.max_nodes, conditioned=True, coupled=h.coupled))
     if self.slow is None:
       object.__setattr__(self, "slow", SlowPathConfig.for_model(self.config))
     check_type(self, "slow", SlowPathConfig)

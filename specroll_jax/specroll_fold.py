@@ -106,7 +106,7 @@ def slow_path(sr, params, adapt, batch, out, seconds, seed):
   recs = _trainer_records.from_hidden(
       cfg.reflex, sr.config, params, adapt.heads, out.hidden, out.tokens, out.lengths,
       jnp.asarray(batch.lengths), sampling=sr.sampling, key=key,
-      num_anchors=sr.records_per_batch)
+      num_anchors=sr.records_per_batch, seed=seed, sample_ids=batch.sample_ids)
   if jax.process_count() > 1:
     recs = jax.tree.map(lambda x: jnp.asarray(
         distributed.all_sum(x) if x.ndim == 1 else distributed.all_concat(x, 1)), recs)

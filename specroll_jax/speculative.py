@@ -240,7 +240,9 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
         target, proposer_params, pstate, ProposeInput(
             hidden=sl.hidden, root=sl.root, position=length, history=sl.history, budget=budget,
             row=sl.row, sample_ids=sl.sample_ids, responses=s.out.tokens,
-            response_lengths=s.out.lengths), num_nodes=num_nodes), sl.root.shape[0], num_nodes)
+            response_lengths=s.out.lengths,
+            seed=jnp.broadcast_to(jnp.asarray(seed), sl.row.shape)),
+        num_nodes=num_nodes), sl.root.shape[0], num_nodes)
     tr = _tree.sanitize(tr, sl.root, proposer.max_depth)  # a bad tree: slow, never wrong
     proposed = pstate
     gain = None if gate is None else proposer.expected_gain(pstate, num_nodes)

@@ -40,12 +40,13 @@ from jaxtyping import Array, Float, Int
 from specroll_jax import _topk, head_kinds
 from specroll_jax import records as _records
 from specroll_jax._fields import int_arg
+from specroll_jax.engines import check_seed
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers.base import Target
 from specroll_jax.reflex.config import ReflexConfig
 from specroll_jax.reflex.feedback import feedback
-from specroll_jax.sampling import SamplingConfig, allowed_floor, allowed_logits
+from specroll_jax.sampling import SamplingConfig, allowed_floor, allowed_logits, draft_keys
 
 
 def sample_anchors(key, lengths: Int[Array, " B"], max_len: int, num_anchors: int):
@@ -64,7 +65,8 @@ def sample_anchors(key, lengths: Int[Array, " B"], max_len: int, num_anchors: in
 
 
 def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num_anchors: int,
-           params, heads, hidden, tokens, lengths, prompt_lengths, key):
+           params, heads, hidden, tokens, lengths, prompt_lengths, key, seed=None,
+           sample_ids=None):
   b, m, d = hidden.shape
   k = heads.num_heads
   target = Target(config=config, params=params, sampling=sampling)
@@ -90,7 +92,12 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
                  for i in range(k)]).astype(jnp.float32)  # [K, n, D]
   q = _dec.logits_from_hidden(config, params, z)
   cmax = cfg.max_candidates
-  ids_q, cand = _topk.top_ids(q, cfg.top, cmax)  # one top-k over V, two prefixes
+  position = prompt_lengths[rows] + label  # [n]: the predicted token's absolute position
+  if seed is None:
+    ids_q, cand = _topk.top_ids(q, cfg.top, cmax)  # one top-k over V, two prefixes
+  else:  # the tree's candidates coupled to the target's noise at that position
+    keys, _ = draft_keys(q, sampling, seed, sample_ids[rows][None], position[None], coupled=True)
+    ids_q, cand = _topk.top_ids(q, cfg.top)[0], jax.lax.top_k(keys, cmax)[1]
   cand = jnp.where(jnp.arange(cmax) < jnp.asarray(cfg.topk)[:, None, None], cand, -1)
   every = lambda v: jnp.broadcast_to(v[None], (k,) + v.shape)  # the shared side, per head
   tok_k = every(token)
@@ -101,7 +108,7 @@ def _build(cfg: ReflexConfig, config: ModelConfig, sampling: SamplingConfig, num
   return _records.Records(
       hidden=h, support=mt.support, p=mt.p, p_tail=mt.p_tail, token=tok_k, candidates=cand,
       hit=_records.member(tok_k[..., None], cand)[..., 0], tv=mt.tv,
-      position=every(prompt_lengths[rows] + label), valid=valid,
+      position=every(position), valid=valid,
       path=path if head_kinds.is_conditioned(heads) else None, correction=jnp.zeros_like(h),
       count=valid.sum(1).astype(jnp.int32))
 
@@ -112,7 +119,8 @@ _build_jit = jax.jit(_build, static_argnums=(0, 1, 2, 3))
 def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
                 hidden: Float[Array, "B M D"], tokens: Int[Array, "B M"], lengths: Int[Array, " B"],
                 prompt_lengths: Int[Array, " B"], *, sampling: SamplingConfig, key,
-                num_anchors: int) -> _records.Records:
+                num_anchors: int, seed: int | None = None,
+                sample_ids: Int[Array, " B"] | None = None) -> _records.Records:
   """Records [K, num_anchors] from the anchor hidden states of a teacher-forced forward
   (``hidden[b, j]``: the pre-norm hidden state whose logits sample response token j, as
   ``grpo.trainer_hidden`` and ``TrainStep(return_hidden=True)`` give them) of the finished
@@ -123,8 +131,11 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
   not depend on the batch: when it holds fewer than ``num_anchors`` anchors, all are taken and the
   remaining records are invalid (``valid`` False, ``count`` counts the valid ones). ``cfg``
   fixes the support and candidate shapes (those of the slow path's reservoir: ``slow_path.init``
-  with ``support_size=cfg.support_size, num_candidates=cfg.max_candidates``). Jitted; ``cfg``,
-  ``config``, ``sampling`` and ``num_anchors`` are static."""
+  with ``support_size=cfg.support_size, num_candidates=cfg.max_candidates``). With the rollout's
+  ``seed`` and its rows' ``sample_ids`` (and ``cfg.coupled``, T > 0) a head's candidates are ranked
+  coupled to the target's noise at the predicted position, as the tree ranks them
+  (``sampling.draft_keys``); otherwise by the head's probabilities. Jitted; ``cfg``, ``config``,
+  ``sampling`` and ``num_anchors`` are static."""
   if not isinstance(cfg, ReflexConfig):
     raise ValueError(f"cfg must be a ReflexConfig, got {type(cfg).__name__}")
   head_kinds.validate(config, heads, cfg.num_heads)
@@ -142,9 +153,16 @@ def from_hidden(cfg: ReflexConfig, config: ModelConfig, params, heads,
   if lens.size and (lens.min() < 0 or lens.max() > m):
     raise ValueError(f"lengths must lie in [0, M={m}] (the responses' columns), got min "
                      f"{lens.min()}, max {lens.max()}")
+  coupled = ()
+  if cfg.coupled and not sampling.greedy and seed is not None:
+    check_seed(seed)
+    if sample_ids is None or tuple(np.shape(sample_ids)) != (b,):
+      raise ValueError(f"sample_ids must be given with seed, shape ({b},) (one per row), got "
+                       f"{None if sample_ids is None else tuple(np.shape(sample_ids))}")
+    coupled = (jnp.uint32(seed), jnp.asarray(sample_ids, jnp.int32))
   return _build_jit(cfg, config, sampling, int(num_anchors), params, heads, jnp.asarray(hidden),
                     jnp.asarray(tokens, jnp.int32), jnp.asarray(lengths, jnp.int32),
-                    jnp.asarray(prompt_lengths, jnp.int32), key)
+                    jnp.asarray(prompt_lengths, jnp.int32), key, *coupled)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))

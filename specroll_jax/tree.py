@@ -167,13 +167,15 @@ def candidate_tree(topk: tuple[int, ...]):
 
 
 def plan(root: Int[Array, " R"], head_logprobs: Float[Array, "R K V"], budget: Int[Array, " R"], *,
-         num_nodes: int, topk: tuple[int, ...]) -> Tree:
+         num_nodes: int, topk: tuple[int, ...], keys: Float[Array, "R K V"] | None = None) -> Tree:
   """Build each row's tree of ``num_nodes`` nodes (static) of which the first ``budget[r]`` are
   valid (a row with budget 0 has the root alone).
 
   head_logprobs[r, k-1] is head k's log-distribution over the token at depth k. When every topk
   entry is 1 the tree is the trunk alone and any per-head scores with the same argmax will do
-  (e.g. raw logits: no log-softmax needed).
+  (e.g. raw logits: no log-softmax needed). ``keys`` (None: ``head_logprobs``) rank each depth's
+  candidates, e.g. coupled to the target's noise (``sampling.draft_keys``); a candidate's score
+  is still its log-probability (-inf keys: excluded tokens, scored last).
   """
   r = root.shape[0]
   k_heads = len(topk)
@@ -187,7 +189,12 @@ def plan(root: Int[Array, " R"], head_logprobs: Float[Array, "R K V"], budget: I
   # Per depth: top-k candidates of head d.
   cand_lp, cand_tok = [], []
   for d, k in enumerate(topk):
-    v, i = jax.lax.top_k(head_logprobs[:, d].astype(jnp.float32), k)
+    lp = head_logprobs[:, d].astype(jnp.float32)
+    if keys is None:
+      v, i = jax.lax.top_k(lp, k)
+    else:
+      kv, i = jax.lax.top_k(keys[:, d].astype(jnp.float32), k)
+      v = jnp.where(jnp.isfinite(kv), jnp.take_along_axis(lp, i, axis=1), -1e9)
     cand_lp.append(v)
     cand_tok.append(i)
   score = jnp.zeros((r, n_cand), jnp.float32)

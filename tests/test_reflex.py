@@ -447,7 +447,8 @@ def test_skipped_bookkeeping_is_exact(trained_model, monkeypatch, case):
   inp = ProposeInput(hidden=jnp.asarray(rng.normal(size=(r, d)), jnp.float32),
                      root=jnp.array([1, 2, 3], jnp.int32), position=jnp.full((r,), l0),
                      history=jnp.zeros((r, 32), jnp.int32), budget=jnp.full((r,), 4),
-                     row=jnp.arange(r), sample_ids=jnp.arange(r))
+                     row=jnp.arange(r), sample_ids=jnp.arange(r),
+                     seed=jnp.zeros((r,), jnp.uint32))
   fb = _feedback(r, 4, d, position=[l0] * r, path_len=[2] * r, tokens=np.full((r, 4), 5),
                  keep=[[1, 1, 0, 0]] * r)
 

@@ -23,7 +23,7 @@ import dataclasses
 
 import flax.struct
 import jax
-from jaxtyping import Array, Bool, Float, Int, PyTree
+from jaxtyping import Array, Bool, Float, Int, PyTree, UInt32
 
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.sampling import SamplingConfig
@@ -70,6 +70,22 @@ class ProposeInput:
   # j, valid for j < response_lengths[b].
   responses: Int[Array, "B M"] | None = None
   response_lengths: Int[Array, " B"] | None = None
+  # The rollout's noise seed, per row (the same value in every row): with ``position`` and
+  # ``sample_ids`` it gives the Gumbel noise the target adds at any future position
+  # (``sampling.gumbel_noise``), for drafts coupled to it (``sampling.draft_keys``).
+  seed: UInt32[Array, " R"] | None = None
+
+
+def coupled_with(target: Target, inp: ProposeInput, coupled: bool, owner: str) -> bool:
+  """Whether ``owner``'s drafts for this step rank coupled to the target's noise: ``coupled`` and
+  T > 0 (greedy sampling adds no noise). ValueError when they would but ``inp.seed`` is None (a
+  ``ProposeInput`` built by hand; the engine always passes the seed)."""
+  on = bool(coupled) and not target.sampling.greedy
+  if on and inp.seed is None:
+    raise ValueError(f"{owner}(coupled=True) needs ProposeInput.seed, the rollout's noise seed "
+                     "per row (the engine passes it; set it when building a ProposeInput by "
+                     f"hand, or use {owner}(coupled=False))")
+  return on
 
 
 @flax.struct.dataclass
@@ -149,6 +165,11 @@ class Proposer:
   * ``row``: the row in the batch the engine was called with; ``sample_ids``: its response id.
   * ``responses[b, j]``, ``response_lengths[b]``: the whole batch's responses so far, by row
     (finished rows included), for proposers that read other rows' text.
+  * ``seed``: the rollout's noise seed (per row). The target's token at position L + d is
+    ``argmax_v(tempered logits_v + Gumbel(seed, sample id, L + d, v))``, so a drafter that ranks
+    its candidates for depth d by its own tempered logits plus that same noise
+    (``sampling.draft_keys(..., positions=position + d, coupled=True)``) guesses the target's
+    sample far more often at T > 0 than one ranking by its probabilities alone.
 
   **propose** returns each row's ``Tree`` of exactly ``num_nodes`` nodes besides the root (static;
   the engine never calls it with 0, since an N = 0 bucket runs the plain decode step), and the

@@ -13,13 +13,15 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from specroll_jax import heads as _heads
+from specroll_jax import sampling as _sampling
 from specroll_jax import tree as _tree
-from specroll_jax._fields import check_int, int_tuple
+from specroll_jax._fields import check_bool, check_int, int_tuple
 from specroll_jax.config import DEFAULT_TOPK
 from specroll_jax.models import decoder as _dec
-from specroll_jax.proposers.base import Proposer
+from specroll_jax.proposers.base import Proposer, coupled_with
 
 
 def effective_topk(topk: tuple[int, ...], num_nodes: int) -> tuple[int, ...]:
@@ -37,13 +39,17 @@ def head_logits(target, heads: _heads.Heads, h, num_heads: int):
 
 @dataclasses.dataclass(frozen=True)
 class HeadsProposer(Proposer):
-  """K future-token heads; ``topk[k-1]`` candidates at depth k (the tree of ``tree.plan``)."""
+  """K future-token heads; ``topk[k-1]`` candidates at depth k (the tree of ``tree.plan``), ranked
+  coupled to the target's noise (``coupled``: ``sampling.draft_keys``; False: by the heads'
+  probabilities)."""
 
   num_heads: int = 3
   topk: tuple[int, ...] = DEFAULT_TOPK
+  coupled: bool = True
 
   def __post_init__(self):
     k = check_int(self, "num_heads", 1, owner="HeadsProposer")
+    check_bool(self, "coupled", owner="HeadsProposer")
     object.__setattr__(self, "topk", int_tuple(self.topk, "HeadsProposer.topk", 1, length=k,
                                                count=f"num_heads={k}"))
 
@@ -67,10 +73,23 @@ class HeadsProposer(Proposer):
       return _tree.root_only(inp.root), state
     topk = effective_topk(self.topk, num_nodes)
     logits = head_logits(target, params, inp.hidden, len(topk))
-    if max(topk) > 1:  # scores matter: cumulative log-probabilities
-      logits = jax.nn.log_softmax(logits, axis=-1)
-    tr = _tree.plan(inp.root, logits, inp.budget, num_nodes=num_nodes, topk=topk)
-    return tr, state
+    return plan_heads(target, logits, inp, num_nodes=num_nodes, topk=topk,
+                      coupled=self.coupled), state
 
 
-__all__ = ["HeadsProposer", "effective_topk", "head_logits"]
+def plan_heads(target, logits, inp, *, num_nodes: int, topk: tuple[int, ...], coupled: bool):
+  """``tree.plan`` of Medusa heads' logits [R, K', V] (head k guesses position L + k): coupled
+  (T > 0), candidates ranked by ``sampling.draft_keys`` at each head's position; otherwise by the
+  heads' probabilities (with every topk 1, by the raw logits: the same argmax)."""
+  if coupled_with(target, inp, coupled, "HeadsProposer"):
+    k = jnp.arange(1, logits.shape[1] + 1)[None]
+    keys, lq = _sampling.draft_keys(logits, target.sampling, inp.seed[:, None],
+                                    inp.sample_ids[:, None], inp.position[:, None] + k,
+                                    coupled=True)
+    return _tree.plan(inp.root, lq, inp.budget, num_nodes=num_nodes, topk=topk, keys=keys)
+  if max(topk) > 1:  # scores matter: cumulative log-probabilities
+    logits = jax.nn.log_softmax(logits, axis=-1)
+  return _tree.plan(inp.root, logits, inp.budget, num_nodes=num_nodes, topk=topk)
+
+
+__all__ = ["HeadsProposer", "effective_topk", "head_logits", "plan_heads"]

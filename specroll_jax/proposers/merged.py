@@ -82,7 +82,8 @@ class Merged(RankedProposer):
                        f"bins), got {acc.shape}")
     nh = self.heads.num_bins
     return MergedParams(
-        heads=self.heads.params(heads, acc[:nh].reshape(self.heads.num_heads, self.heads.q_bins)),
+        heads=self.heads.params(heads, acc[:nh].reshape(self.heads.num_heads,
+                                                        self.heads.depth_bins)),
         lookup=self.lookup.context(acc[nh:].reshape(self.lookup.acceptance_shape), group_ids,
                                    prior))
 
@@ -178,7 +179,7 @@ class MergedReflex(Proposer):
     h = self.merged.heads
     object.__setattr__(self, "reflex", dataclasses.replace(
         self.reflex, num_heads=h.num_heads, topk=h.topk, beams=h.beams, max_nodes=h.max_nodes,
-        conditioned=True))
+        conditioned=True, coupled=h.coupled))
 
   @property
   def inner(self) -> ReflexProposer:

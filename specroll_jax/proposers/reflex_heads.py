@@ -11,13 +11,14 @@ import jax.numpy as jnp
 
 from specroll_jax import _topk, head_kinds
 from specroll_jax import records as _records
+from specroll_jax import sampling as _sampling
 from specroll_jax import tree as _tree
 from specroll_jax._vma import vary_like
 from specroll_jax.cond_heads import CondHeads
 from specroll_jax.heads import Heads
 from specroll_jax.models import decoder as _dec
-from specroll_jax.proposers.base import Proposer, RowsShared
-from specroll_jax.proposers.heads import effective_topk
+from specroll_jax.proposers.base import Proposer, RowsShared, coupled_with
+from specroll_jax.proposers.heads import effective_topk, plan_heads
 from specroll_jax.proposers.ranked_heads import RankedHeads
 from specroll_jax.reflex.config import _TINY, ReflexConfig
 from specroll_jax.reflex.feedback import _Matured, feedback
@@ -63,7 +64,8 @@ class ReflexProposer(Proposer):
   def ranked(self) -> RankedHeads:
     """The depth-by-depth expansion root-conditioned heads propose with."""
     c = self.config
-    return RankedHeads(num_heads=c.num_heads, topk=c.topk, beams=c.beams, max_nodes=c.max_nodes)
+    return RankedHeads(num_heads=c.num_heads, topk=c.topk, beams=c.beams, max_nodes=c.max_nodes,
+                       coupled=c.coupled)
 
   @property
   def capacity(self) -> int:
@@ -173,8 +175,8 @@ class ReflexProposer(Proposer):
       eligible = eligible & active[:, None]
       logits = _dec.logits_from_hidden(target.config, target.params, zc)  # [R, K, V]
       topk = effective_topk(cfg.topk, num_nodes)
-      lp = jax.nn.log_softmax(logits[:, : len(topk)], axis=-1)
-      tr = _tree.plan(inp.root, lp, inp.budget, num_nodes=num_nodes, topk=topk)
+      tr = plan_heads(target, logits[:, : len(topk)], inp, num_nodes=num_nodes, topk=topk,
+                      coupled=cfg.coupled)
       ctx = jnp.full(z.shape[:2] + (k,), -1, jnp.int32)
     # prediction records, on feedback rounds (skipped, as a whole, when no row records)
     n_active = active.sum()
@@ -210,14 +212,23 @@ class ReflexProposer(Proposer):
     cmax = cfg.max_candidates
     kc = jnp.asarray(cfg.topk)[None, :, None]
     jj = jnp.arange(cmax)[None, None]
-    qtop, corr_top = _topk.top_ids(logits, cfg.top, cmax)  # one top-k over V, two prefixes
+    ks = jnp.arange(1, k + 1)
+    pos = inp.position[:, None] + ks[None]  # [R, K]: position head k predicts
+    if coupled_with(target, inp, cfg.coupled, "ReflexConfig"):  # the tree's ranking
+      def ranked(lg):
+        keys, _ = _sampling.draft_keys(lg, target.sampling, inp.seed[:, None],
+                                       inp.sample_ids[:, None], pos, coupled=True)
+        return jax.lax.top_k(keys, cmax)[1]
+      qtop, corr_top = _topk.top_ids(logits, cfg.top)[0], ranked(logits)
+    else:
+      ranked = lambda lg: jax.lax.top_k(lg, cmax)[1]
+      qtop, corr_top = _topk.top_ids(logits, cfg.top, cmax)  # one top-k over V, two prefixes
     corr_top = jnp.where(jj < kc, corr_top, -1)
     raw_top = jax.lax.cond(  # the raw head's logits: only when a corrected head is recorded
         (eligible & rnd[:, None]).any(),
-        lambda: jnp.where(jj < kc, jax.lax.top_k(_dec.logits_from_hidden(
-            target.config, target.params, z), cmax)[1], -1),
+        lambda: jnp.where(jj < kc, ranked(_dec.logits_from_hidden(
+            target.config, target.params, z)), -1),
         lambda: corr_top)
-    ks = jnp.arange(1, k + 1)
     at_depth = tr.valid[:, None, :] & (tr.depth[:, None, :] == ks[None, :, None])  # [R, K, N1]
     present = ((tr.tokens[:, None, None, :] == corr_top[..., None])
                & at_depth[:, :, None, :]).any(-1)
@@ -226,7 +237,6 @@ class ReflexProposer(Proposer):
     sk = (fast.m / jnp.maximum(rms_m, _TINY)[..., None]) @ cfg.sketch(fast.m.shape[-1])
     sigma = sk / jnp.maximum(jnp.linalg.norm(sk, axis=-1, keepdims=True), _TINY)
     has_sigma = (rms_m > 0) & jnp.isfinite(rms_m)
-    pos = inp.position[:, None] + ks[None]  # [R, K]: position head k predicts
     slot = pos % cfg.slots
     sel = (jnp.arange(cfg.slots)[None, None] == slot[..., None]) & rnd_k[..., None]  # [R, K, S]
     put = lambda old, new: jnp.where(sel.reshape(sel.shape + (1,) * (old.ndim - 3)),
@@ -260,8 +270,8 @@ class ReflexProposer(Proposer):
                        (zz.astype(jnp.float32) + c).astype(zz.dtype), zz)
 
     rh = self.ranked
-    cands, (z, zc, logits, ctx) = rh.expand(target, rh.params(heads, table), inp.hidden,
-                                            inp.root, num_nodes=num_nodes, correct=correct)
+    cands, (z, zc, logits, ctx) = rh.expand(target, rh.params(heads, table), inp,
+                                            num_nodes=num_nodes, correct=correct)
     depth = k
     if extra is not None:
       depth = max(k, extra.paths.shape[2])

@@ -74,6 +74,9 @@ class ReflexConfig:
   conditioned: bool = False
   beams: tuple[int, ...] = (1, 2, 2)
   max_nodes: int = 16
+  # the tree's candidates ranked coupled to the target's own noise (sampling.draft_keys); False:
+  # by the heads' probabilities (proposers.RankedHeads.coupled)
+  coupled: bool = True
 
   def __post_init__(self):
     k = check_int(self, "num_heads", 1)
@@ -94,6 +97,7 @@ class ReflexConfig:
     for name in ("share_group", "record_capacity", "sleep_batches", "sleep_max_batches"):
       check_int(self, name, 0)
     check_bool(self, "conditioned")
+    check_bool(self, "coupled")
     object.__setattr__(self, "beams", int_tuple(self.beams, "ReflexConfig.beams", 1))
     if self.beams[0] != 1:
       raise ValueError(f"ReflexConfig.beams must start at 1, got {self.beams}")
