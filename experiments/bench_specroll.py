@@ -1,4 +1,5 @@
-"""SpecRoll's defaults against the compacting vanilla engine, and its adaptation to a task shift.
+"""SpecRoll's defaults against the compacting vanilla engine, its adaptation to a task shift, and
+heads learned from nothing.
 
   .venv/bin/python experiments/bench_specroll.py                  # both parts, T = 1, 0.7, 0
   .venv/bin/python experiments/bench_specroll.py --quick          # CI-sized smoke run
@@ -24,7 +25,12 @@ Part 2, the task shift: heads fitted for one task (the shipped root-conditioned 
 synthetic problems) propose on GSM8K prompts at T = 1, --shift-batches batches of --shift-prompts
 prompts x G, --nodes nodes per row: tau per batch for the object (adaptation on), for the same
 object with its slow path and Reflex off (static heads), and for heads fitted on the target's own
-GSM8K rollouts (the ceiling; ``pipeline.fitted_cond_heads``, cached). Writes JSON and a PNG.
+GSM8K rollouts (the ceiling; ``pipeline.fitted_cond_heads``, cached).
+
+Part 3, the cold start: on the main job's task (synthetic train problems, T = 1, --cold-batches
+batches of --cold-prompts prompts x G, --nodes nodes per row), tau per batch of heads learned from
+nothing (``SpecRoll.init("learn")``) and of the shipped heads (adapting too), with each batch's
+learning seconds. Writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -112,6 +118,32 @@ def part1(a, config, params, tok, heads, task, temperature):
   return {"task": task, "temperature": temperature, "max_new_tokens": m, "rows": rows}
 
 
+def curves(a, params, tok, arms, task: str, offset: int, batches: int, prompts: int):
+  """tau per batch of each arm (name -> (object, state)) on ``batches`` consecutive batches of
+  ``prompts`` train problems of ``task`` from ``offset``, with each batch's learning seconds (the
+  host work after the rollout: records and the slow path)."""
+  out = {k: [] for k in arms}
+  for b in range(batches):
+    ids = prompts_of(tok, task, "train", prompts, offset=offset + b * prompts)
+    pids = 50_000 + offset + b * prompts + np.arange(prompts)
+    for name, (obj, st) in arms.items():
+      res, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b)
+      arms[name] = (obj, st)
+      rep = res.report
+      out[name].append({"tau": rep.tau, "slow": None if rep.slow is None else rep.slow.decision,
+                        "host_s": rep.host_seconds, "rollout_s": rep.rollout_seconds,
+                        "refresh_s": 0.0 if rep.slow is None else rep.slow.refresh_seconds,
+                        "events": list(rep.events)})
+    print(f"  batch {b}: " + ", ".join(f"{k} {v[-1]['tau']:.3f}" for k, v in out.items()),
+          flush=True)
+  return out
+
+
+def _fixed(sr, nodes: int):
+  return dataclasses.replace(sr, budget="fixed", spec=dataclasses.replace(
+      sr.spec, nodes=(nodes,) * len(sr.spec.bucket_fractions)))
+
+
 def part2(a, config, params, tok, path, heads):
   sampling = rollout.SamplingConfig(temperature=1.0)
   m = a.max_new_tokens
@@ -119,27 +151,26 @@ def part2(a, config, params, tok, path, heads):
   ceiling = pipeline.fitted_cond_heads(config, params, tok, path, sampling=sampling,
                                        num_prompts=a.ceiling_prompts, steps=a.ceiling_steps,
                                        max_new_tokens=m)
-  sr = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=m, budget="fixed")
-  sr = dataclasses.replace(sr, spec=dataclasses.replace(
-      sr.spec, nodes=(a.nodes,) * len(sr.spec.bucket_fractions)))
+  sr = _fixed(SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=m), a.nodes)
   static = dataclasses.replace(sr, reflex=None, slow=SlowPathConfig(mode="off"))
   arms = {"SpecRoll (adapting)": (sr, sr.init(heads)),
           "static heads": (static, static.init(heads)),
           "ceiling (heads fitted on GSM8K)": (static, static.init(ceiling))}
-  curves = {k: [] for k in arms}
-  for b in range(a.shift_batches):
-    ids = prompts_of(tok, "gsm8k", "train", a.shift_prompts,  # past the ceiling's prompts
-                     offset=a.ceiling_prompts + b * a.shift_prompts)
-    pids = 50_000 + b * a.shift_prompts + np.arange(a.shift_prompts)
-    for name, (obj, st) in arms.items():
-      out, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b)
-      arms[name] = (obj, st)
-      curves[name].append({"tau": out.report.tau, "slow": None if out.report.slow is None
-                           else out.report.slow.decision, "host_s": out.report.host_seconds,
-                           "rollout_s": out.report.rollout_seconds})
-    print(f"  batch {b}: " + ", ".join(f"{k} {v[-1]['tau']:.3f}" for k, v in curves.items()),
-          flush=True)
-  return {"curves": curves, "batch_rows": a.shift_prompts * a.group}
+  # past the ceiling's prompts
+  got = curves(a, params, tok, arms, "gsm8k", a.ceiling_prompts, a.shift_batches, a.shift_prompts)
+  return {"curves": got, "batch_rows": a.shift_prompts * a.group}
+
+
+def part3(a, config, params, tok, heads):
+  """The cold start: heads learned from nothing (``init("learn")``) against the shipped heads
+  (adapting too) on the same batches of the main job's task."""
+  sampling = rollout.SamplingConfig(temperature=1.0)
+  sr = _fixed(SpecRoll(config, sampling=sampling, group_size=a.group,
+                       max_new_tokens=min(a.max_new_tokens, 48)), a.nodes)
+  arms = {"learned from nothing": (sr, sr.init("learn")),
+          "shipped heads": (sr, sr.init(heads))}
+  got = curves(a, params, tok, arms, "synthetic", 0, a.cold_batches, a.cold_prompts)
+  return {"curves": got, "batch_rows": a.cold_prompts * a.group}
 
 
 def main(argv=None):
@@ -150,10 +181,12 @@ def main(argv=None):
   ap.add_argument("--nodes", type=int, default=4, help="nodes per row of the quality rows")
   ap.add_argument("--warmup", type=int, default=2, help="batches of other prompts first")
   ap.add_argument("--repeats", type=int, default=2)
-  ap.add_argument("--parts", nargs="+", choices=["defaults", "shift"], default=["defaults",
-                                                                              "shift"])
+  ap.add_argument("--parts", nargs="+", choices=["defaults", "shift", "coldstart"],
+                  default=["defaults", "shift", "coldstart"])
   ap.add_argument("--shift-batches", type=int, default=12)
   ap.add_argument("--shift-prompts", type=int, default=8)
+  ap.add_argument("--cold-batches", type=int, default=12)
+  ap.add_argument("--cold-prompts", type=int, default=8)
   ap.add_argument("--ceiling-prompts", type=int, default=2048)
   ap.add_argument("--ceiling-steps", type=int, default=4000)
   ap.add_argument("--cost-nodes", type=int, nargs="+", default=None,
@@ -165,16 +198,18 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true", help="CI-sized: 2 prompts x 4, 24 tokens, T=1")
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, temperatures=0.0, nodes=1, cost_nodes=0, warmup=0, repeats=1,
-                             shift_batches=1, shift_prompts=1, ceiling_prompts=1, ceiling_steps=1)
+                             shift_batches=1, shift_prompts=1, ceiling_prompts=1, ceiling_steps=1,
+                             cold_batches=1, cold_prompts=1)
   if a.quick:
     a.temperatures, a.prompts, a.group, a.max_new_tokens = [1.0], 2, 4, 24
     a.repeats, a.warmup, a.shift_batches, a.shift_prompts = 1, 1, 2, 2
+    a.cold_batches, a.cold_prompts = 2, 2
     a.ceiling_prompts, a.ceiling_steps = 8, 10
   config, params, tok, path = _common.load_model(a)
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
   if a.widen:
-    if "shift" in a.parts:
-      cli.fail("--parts", "shift", "--widen runs part 1 only (--parts defaults)")
+    if set(a.parts) - {"defaults"}:
+      cli.fail("--parts", " ".join(a.parts), "--widen runs part 1 only (--parts defaults)")
     config, params, heads = models.widen(config, params, models.QWEN25_SHAPES[a.widen],
                                          key=jax.random.key(0), heads=heads, dtype=a.dtype)
   meta = {"command": "experiments/bench_specroll.py " + " ".join(argv or sys.argv[1:]),
@@ -183,7 +218,7 @@ def main(argv=None):
           "widened": None if a.widen is None else {"shape": a.widen, "dtype": a.dtype,
                                                    "layers": config.num_layers,
                                                    "hidden": config.hidden_size}}
-  res = {"meta": meta, "defaults": [], "shift": None}
+  res = {"meta": meta, "defaults": [], "shift": None, "coldstart": None}
   out = Path(a.out)
   out.parent.mkdir(parents=True, exist_ok=True)
   save = lambda: out.write_text(json.dumps(res, indent=1, default=str))
@@ -194,6 +229,10 @@ def main(argv=None):
         save()
   if "shift" in a.parts:
     res["shift"] = part2(a, config, params, tok, path, heads)
+    save()
+  if "coldstart" in a.parts:
+    print("== cold start: heads learned from nothing vs the shipped heads ==", flush=True)
+    res["coldstart"] = part3(a, config, params, tok, heads)
     save()
   _print(res, a)
   _plot(res, out.with_suffix(".png"))
@@ -219,15 +258,18 @@ def _print(res, a):
                 fmt("vs_vanilla", "{:.2f}x"),
                 fmt("compile_s", "{:.1f}"), str(r["identical"]))
   con.print(t)
-  if res["shift"]:
-    s = Table(title=f"Task shift (heads for the synthetic task, GSM8K prompts, T = 1, "
-                    f"{res['shift']['batch_rows']}-row batches): tau per batch")
+  for key, title in (("shift", "Task shift (heads for the synthetic task, GSM8K prompts"),
+                     ("coldstart", "Cold start (the main job's task")):
+    if not res[key]:
+      continue
+    s = Table(title=f"{title}, T = 1, {res[key]['batch_rows']}-row batches): tau per batch "
+                    "(learning seconds: the host work after the rollout)")
     s.add_column("batch")
-    curves = res["shift"]["curves"]
-    for k in curves:
+    got = res[key]["curves"]
+    for k in got:
       s.add_column(k)
-    for b in range(len(next(iter(curves.values())))):
-      s.add_row(str(b), *(f"{curves[k][b]['tau']:.3f}" for k in curves))
+    for b in range(len(next(iter(got.values())))):
+      s.add_row(str(b), *(f"{got[k][b]['tau']:.3f} ({got[k][b]['host_s']:.2f} s)" for k in got))
     con.print(s)
 
 
@@ -248,12 +290,15 @@ def _plot(res, path):
   ax[0].axvline(1.0, color="grey", lw=0.8)
   ax[0].set_yticks(y, labels, fontsize=6)
   ax[0].legend(fontsize=7)
-  if res["shift"]:
-    for k, v in res["shift"]["curves"].items():
-      ax[1].plot([x["tau"] for x in v], "o-", label=k)
-    ax[1].set_xlabel("GSM8K batch")
+  for key, style, what in (("shift", "o-", "task shift to GSM8K"),
+                           ("coldstart", "s--", "cold start")):
+    if res[key]:
+      for k, v in res[key]["curves"].items():
+        ax[1].plot([x["tau"] for x in v], style, label=f"{what}: {k}")
+  if res["shift"] or res["coldstart"]:
+    ax[1].set_xlabel("batch")
     ax[1].set_ylabel("tau")
-    ax[1].set_title("heads fitted for the synthetic task, rollouts of GSM8K")
+    ax[1].set_title("adaptation: tau per batch")
     ax[1].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=110)

@@ -63,6 +63,10 @@ def parse(argv):
                            max_new_tokens_help="response length limit (default: 48 synthetic, "
                                                "256 gsm8k)")
   ap.add_argument("--heads", default=None, help="heads .safetensors (default: shipped or fitted)")
+  ap.add_argument("--cold-start", action="store_true",
+                  help="no heads: SpecRoll learns fresh root-conditioned heads from the policy's "
+                       "own rollouts (SpecRoll.init('learn')); the plot shows the probes' tau "
+                       "rise from the lookup's")
   ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                   help="cast the model to this dtype (default: as stored)")
   ap.add_argument("--widen", default=None, choices=sorted(QWEN25_SHAPES),
@@ -188,6 +192,9 @@ def parse(argv):
     cli.fail("--model", a.model, "is not a folder (a Hugging Face model folder is expected)")
   if a.heads is not None and not Path(a.heads).is_file():
     cli.fail("--heads", a.heads, "is not a file")
+  if a.cold_start and (a.heads is not None or a.rollout != "specroll"):
+    cli.fail("--cold-start", True, "learns heads inside SpecRoll: it goes with --rollout specroll "
+             "and without --heads")
   out = Path(a.out)
   if out.exists() and not out.is_dir():
     cli.fail("--out", a.out, "exists and is not a folder")
@@ -276,6 +283,8 @@ def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[
           f"tau {rec['tau']:.2f}" + ("" if probe is None else f" (trees: {probe:.2f})") +
           f"  rollout {rec['rollout_seconds']:.2f} s  train {rec['train_seconds']:.2f} s  "
           f"gap {rec['logp_gap_max']:.1e}", flush=True)
+    for event in rec.get("events") or ():
+      print(f"[{cfg.rollout}]   {event}", flush=True)
   if compile_info and recs:  # warm-up minus the same work done again (the first step)
     compile_info["rollout_compile_seconds"] = max(
         compile_info["rollout_warmup_seconds"] - recs[0]["rollout_seconds"]
@@ -345,10 +354,13 @@ def main(argv=None):
     config, params, heads = models.widen(config, params, QWEN25_SHAPES[a.widen],
                                          key=jax.random.key(a.seed), heads=heads, dtype=a.dtype)
     print(f"widened to the Qwen2.5-{a.widen} shape (models.widen: the same function)", flush=True)
+  source = a.heads or "shipped beside the model, or fitted"
+  if a.cold_start:  # SpecRoll.init("learn"): fresh heads the slow path learns
+    heads, source = "learn", "none: learned from the policy's own rollouts (--cold-start)"
   model = (config, params, tok)
   print(f"model {path} ({config.num_layers} layers, d={config.hidden_size}, vocab "
         f"{config.vocab_size}, {config.dtype}); devices {jax.devices()}", flush=True)
-  print(f"heads: {type(heads).__name__} ({a.heads or 'shipped beside the model, or fitted'})",
+  print(f"heads: {'CondHeads' if heads == 'learn' else type(heads).__name__} ({source})",
         flush=True)
   kinds = [a.rollout] + ([] if a.no_compare or a.rollout == "vanilla" else ["vanilla"])
   results, runs = {}, {}

@@ -158,9 +158,11 @@ def head_weights(num_heads: int) -> np.ndarray:
 
 
 def loss_fn(config: ModelConfig, params, heads: CondHeads, h, ctx, h_label, labels, mask,
-            sampling: _sampling.SamplingConfig, soft_weight: float):
+            sampling: _sampling.SamplingConfig, soft_weight: float, tv_weight: float = 0.0):
   """soft_weight * CE(target's sampling distribution, head) + (1 - soft_weight) * CE(sampled
-  token), per head, weighted; returns (loss, per-head soft CE [K], per-head token CE [K])."""
+  token) + tv_weight * TV(target, head under the sampling rule), per head, weighted; returns
+  (loss, per-head soft CE [K], per-head token CE [K]). The TV term rewards what coupled drafts
+  are accepted by (docs/design.md, "Drafts coupled to the noise")."""
   logits = apply(config, params, heads, h, ctx)  # [A, K, V]
   logq = jax.nn.log_softmax(logits, axis=-1)
   target_logits = _dec.logits_from_hidden(config, params, h_label)  # [A, K, V]
@@ -173,23 +175,30 @@ def loss_fn(config: ModelConfig, params, heads: CondHeads, h, ctx, h_label, labe
   den = jnp.maximum(mask.sum(0), 1)
   soft_k = (soft * mask).sum(0) / den
   hard_k = (hard * mask).sum(0) / den
+  per = soft_weight * soft_k + (1 - soft_weight) * hard_k
+  if tv_weight > 0:
+    q = jax.nn.softmax(_sampling.allowed_logits(logits, sampling), axis=-1)
+    per = per + tv_weight * (0.5 * jnp.abs(p - q).sum(-1) * mask).sum(0) / den
   w = head_weights(heads.num_heads)
-  return jnp.sum(w * (soft_weight * soft_k + (1 - soft_weight) * hard_k)), (soft_k, hard_k)
+  return jnp.sum(w * per), (soft_k, hard_k)
 
 
 def fit(config: ModelConfig, params, heads: CondHeads, tokens, lengths, hidden, *,
         sampling: _sampling.SamplingConfig, steps: int = 600, batch_size: int = 256,
         learning_rate: float = 3e-3, soft_weight: float = 0.8, weight_decay: float = 0.0,
-        seed: int = 0, progress: bool = True):
+        tv_weight: float = 0.0, seed: int = 0, progress: bool = True):
   """Fit the heads on the target's own rollouts (tokens [B, M], lengths [B], hidden [B, M, D]
-  from ``generate(..., return_hidden=True)`` at ``sampling``). Optax AdamW with cosine decay.
-  Returns (heads, per-head soft CE history [steps, K])."""
+  from ``generate(..., return_hidden=True)`` at ``sampling``). Optax AdamW with cosine decay;
+  the loss is ``loss_fn``'s (``tv_weight``: its total-variation term). Returns (heads, per-head
+  soft CE history [steps, K])."""
   validate(config, heads)
   if steps <= 0 or batch_size <= 0:
     raise ValueError(f"steps and batch_size must be > 0, got steps={steps}, "
                      f"batch_size={batch_size}")
   if not 0.0 <= soft_weight <= 1.0:
     raise ValueError(f"soft_weight must be in [0, 1], got {soft_weight}")
+  if not tv_weight >= 0.0:
+    raise ValueError(f"tv_weight must be >= 0, got {tv_weight}")
   hidden = np.asarray(hidden)
   flat = hidden.reshape(-1, hidden.shape[-1])
   anchor, ctx, lab_idx, labels, mask = training_examples(tokens, lengths, heads.num_heads)
@@ -202,7 +211,8 @@ def fit(config: ModelConfig, params, heads: CondHeads, tokens, lengths, hidden, 
   @jax.jit
   def update(heads, opt, h, c, hl, lb, mk):
     (_, (soft_k, _)), g = jax.value_and_grad(
-        lambda hd: loss_fn(config, params, hd, h, c, hl, lb, mk, sampling, soft_weight),
+        lambda hd: loss_fn(config, params, hd, h, c, hl, lb, mk, sampling, soft_weight,
+                           tv_weight),
         has_aux=True)(heads)
     upd, opt = tx.update(g, opt, heads)
     return optax.apply_updates(heads, upd), opt, soft_k

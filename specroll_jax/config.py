@@ -73,6 +73,11 @@ class SpecConfig:
   gate: per bucket fraction, None or the break-even expected accepted nodes per active row: a
     step verifies its tree only when the proposer's estimate (``Proposer.expected_gain``) reaches
     it, else it runs the plain decode step (``goodput.choose(..., gated=True)``).
+  choices: node counts per row that one compiled program can run in any bucket, the count of
+    each bucket given at run time (``SpecEngine.__call__``'s ``nodes``): every bucket's step is a
+    ``lax.switch`` over one branch per count, so a new choice (goodput's, per batch) never
+    compiles; the program costs about one branch per count to compile. Excludes ``nodes`` and
+    ``gate``.
   """
 
   num_heads: int = 3
@@ -82,6 +87,7 @@ class SpecConfig:
   bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
   nodes: tuple[int, ...] | None = None
   gate: tuple[float | None, ...] | None = None
+  choices: tuple[int, ...] | None = None
 
   def __post_init__(self):
     check_int(self, "num_heads", 1)
@@ -109,6 +115,15 @@ class SpecConfig:
       object.__setattr__(self, "gate", tuple(
           None if g is None else float_arg(g, f"SpecConfig.gate[{i}]", 0, allow_inf=True)
           for i, g in enumerate(gate)))
+    if self.choices is not None:
+      ch = int_tuple(self.choices, "SpecConfig.choices", 0)
+      if not ch or list(ch) != sorted(set(ch)):
+        raise ValueError(f"SpecConfig.choices must be distinct ints >= 0, ascending, got "
+                         f"{self.choices}")
+      if self.nodes is not None or self.gate is not None:
+        raise ValueError("SpecConfig.choices (node counts chosen at run time) excludes nodes and "
+                         f"gate, got nodes={self.nodes}, gate={self.gate}")
+      object.__setattr__(self, "choices", ch)
 
   @classmethod
   def for_cpu(cls) -> SpecConfig:
@@ -142,8 +157,12 @@ class SpecConfig:
 
   def bucket_shapes(self, batch: int, capacity: int | None = None) -> list[tuple[int, int]]:
     """Static (rows, N) buckets for a batch: rows descending,
-    N = min(max_nodes, node_budget // rows, capacity)."""
+    N = min(max_nodes, node_budget // rows, capacity) (with ``nodes``: its entry; with
+    ``choices``: the largest, the counts themselves chosen at run time)."""
     kept = _buckets.kept_buckets(batch, self.bucket_fractions)
+    if self.choices is not None:  # the largest count the program can run
+      cap = max(self.choices) if capacity is None else min(capacity, max(self.choices))
+      return [(r, cap) for r, _ in kept]
     if self.nodes is not None:
       cap = max(self.nodes) if capacity is None else capacity
       return [(r, min(cap, self.nodes[i])) for r, i in kept]

@@ -141,12 +141,14 @@ class SpecEngine:
     """The vanilla engine with the same settings (the reference for exactness checks)."""
     return VanillaEngine(self.config, self.settings)
 
-  def __call__(self, params, proposer_params, batch: PromptBatch) -> Rollout:
+  def __call__(self, params, proposer_params, batch: PromptBatch, nodes=None) -> Rollout:
     """The rollout of ``batch`` (traceable); ``proposer_params`` as the proposer's ``validate``
-    accepts them."""
+    accepts them; ``nodes`` [S] int32 (with ``SpecConfig.choices`` only): each bucket
+    fraction's node count, one of the choices, given at run time."""
     return _spec.speculative_rollout(self.config, params, self.proposer, proposer_params,
                                      batch.tokens, batch.lengths, batch.sample_ids, batch.eos_ids,
-                                     batch.seed, settings=self.settings, spec=self.spec)
+                                     batch.seed, settings=self.settings, spec=self.spec,
+                                     nodes=nodes)
 
   def jit(self, params, proposer_params, batch: PromptBatch) -> Rollout:
     """``self(params, proposer_params, batch)`` compiled once per engine and batch shape."""

@@ -5,10 +5,11 @@ Two measured facts decide how many nodes a bucket verifies:
 
 * cost: the seconds of one engine step for a bucket of R rows with n nodes per row, on this
   machine, model and proposer (the verify forward, the proposal and the bookkeeping), measured once
-  at three (R, n) points, one compiled program each (``measure_cost``, cached on disk keyed by
-  everything the timing depends on), and fitted (``fit_cost``) into a ``CostModel``. On a CPU a
-  verify forward is compute-bound and the cost grows with R x (n + 1); on a GPU it is flat up to
-  the ridge point, so the same rule grows trees there.
+  at up to six (R, n) points (the plain step, the smallest and the largest tree, at the most and
+  the fewest rows), one compiled program each (``measure_cost``, cached on disk keyed by
+  everything the timing depends on), and tabulated (``fit_cost``) into a ``CostModel``. On a CPU
+  a verify forward is compute-bound and the cost grows with R x (n + 1); on a GPU it is flat up
+  to the ridge point, so the same rule grows trees there.
 * acceptance: the expected accepted nodes per row-step with the best n candidates, from the
   calibrated estimates of a ranked proposer (``proposers.ranked.TreeStats.expected``), carried
   from the previous batches.
@@ -150,36 +151,26 @@ def choose(cost: CostModel, expected, batch: int, spec: SpecConfig, *, capacity:
 
 
 def measured_points(rows, node_counts) -> tuple[tuple[int, int], ...]:
-  """The (rows, n) steps ``measure_cost`` times, one compiled program each (at most 3): the
-  plain step and the largest tree at the most rows, and the plain step at the fewest rows
-  (each only where it differs from the first)."""
-  rows, nodes = [int(r) for r in rows], [0, *(int(n) for n in node_counts)]
-  most, fewest, largest = max(rows), min(rows), max(nodes)
-  points = [(most, 0)]
-  if largest > 0:
-    points.append((most, largest))
-  if fewest < most:
-    points.append((fewest, 0))
-  return tuple(points)
+  """The (rows, n) steps ``measure_cost`` times, one compiled program each: at the most and at
+  the fewest rows (one row count when they are equal), the plain step, the smallest tree and the
+  largest tree of ``node_counts`` (at most 6 points)."""
+  rows, nodes = [int(r) for r in rows], sorted({0, *(int(n) for n in node_counts)})
+  trees = [n for n in nodes if n > 0]
+  per_row = [0] + ([trees[0]] if trees else []) + ([trees[-1]] if len(trees) > 1 else [])
+  return tuple((r, n) for r in sorted({max(rows), min(rows)}, reverse=True) for n in per_row)
 
 
 def fit_cost(rows, node_counts, measured, machine: str = "") -> CostModel:
-  """The ``CostModel`` over ``rows`` x ``node_counts`` of the step cost
-
-      cost(R, n) = a + R (b + c n)
-
-  through the seconds ``measured[(R, n)]`` at the ``measured_points``. A step costs a fixed part
-  a (dispatch, the loop, work shared by the rows) and a part per row, affine in the tokens the
-  row verifies: b for the root, c per tree node. Compute-bound (a CPU) the per-row part
-  dominates and c is of the order of b; memory-bound (a GPU below its ridge point) the cost is
-  flat in n and c is about 0. The plain step at the most and the fewest rows gives a and b, the
-  largest tree at the most rows gives c; the fit passes through all three. Smaller trees lie on
-  the line in n; a tree at fewer rows costs c per node and row more than the plain step there (a
-  fixed cost a tree adds per step is read as per row, so there it is underestimated). A reading
-  that noise put outside the model's range is clamped: c >= 0 (a tree never costs less than the
-  plain step), and the plain step at the fewest rows lies between flat in rows (b = 0) and in
-  proportion to them (a = 0). With one row count the cost is taken in proportion to rows
-  (a = 0). So the cost is > 0 and non-decreasing in n and in rows."""
+  """The ``CostModel`` over the measured row counts x ``node_counts`` from the seconds
+  ``measured[(R, n)]`` at the ``measured_points``: at each measured row count, the plain step,
+  the smallest and the largest tree as measured, a node count between them on the line through
+  its neighbours (a tree's cost is affine in its nodes above a fixed price per step: the proposal,
+  the tree's bookkeeping, the tree mask; measured at the tail of a batch on the CPU a 1-node tree
+  costs far more than a quarter of a 4-node one's extra, so the smallest tree is measured, not
+  extrapolated from 0). ``CostModel.cost`` interpolates in rows between the measured counts. A
+  reading that noise put out of order is clamped: a tree never costs less than a smaller one at
+  the same rows, and a step at more rows never less than at fewer. So the cost is > 0 and
+  non-decreasing in n and in rows."""
   rows = tuple(sorted({int(r) for r in rows}, reverse=True))
   nodes = tuple(sorted({0, *(int(n) for n in node_counts)}))
   points = measured_points(rows, nodes)
@@ -189,19 +180,18 @@ def fit_cost(rows, node_counts, measured, machine: str = "") -> CostModel:
   sec = {p: float(measured[p]) for p in points}
   if not all(np.isfinite(s) and s > 0 for s in sec.values()):
     raise ValueError(f"measured seconds must be finite and > 0, got {sec}")
-  most, plain = points[0][0], sec[points[0]]
-  tree = points[1] if len(points) > 1 and points[1][1] > 0 else None
-  c = max(0.0, (sec[tree] - plain) / (most * tree[1])) if tree else 0.0
-  a, b = 0.0, plain / most  # in proportion to rows
-  if rows[-1] < most:
-    few = sec[(rows[-1], 0)]
-    if few >= plain:  # no cheaper with fewer rows: flat
-      a, b = plain, 0.0
-    elif few * most > plain * rows[-1]:  # between flat and in proportion
-      b = (plain - few) / (most - rows[-1])
-      a = plain - most * b
-  table = [[a + r * (b + c * n) for n in nodes] for r in rows]
-  return CostModel(rows=rows, node_counts=nodes, seconds=table, machine=machine)
+  kept = tuple(sorted({r for r, _ in points}, reverse=True))
+  table = []
+  for r in kept:
+    xs = sorted(n for rr, n in points if rr == r)
+    ys = np.maximum.accumulate([sec[(r, n)] for n in xs])  # never cheaper with more nodes
+    table.append([float(np.interp(n, xs, ys)) if n <= xs[-1] else
+                  float(ys[-1] + (n - xs[-1]) * (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]))
+                  for n in nodes])
+  table = np.asarray(table)
+  for i in range(len(kept) - 2, -1, -1):  # more rows never cost less than fewer
+    table[i] = np.maximum(table[i], table[i + 1])
+  return CostModel(rows=kept, node_counts=nodes, seconds=table.tolist(), machine=machine)
 
 
 _CACHE_VERSION = 3  # 3: per-layer weights made outside the timed programs (2: 3 points)
@@ -228,9 +218,9 @@ def measure_cost(config, params, proposer, proposer_params, prompts, prompt_leng
                  settings: DecodeSettings, rows, node_counts=DEFAULT_NODE_COUNTS, steps: int = 8,
                  repeats: int = 3, cache_dir: Path | str | None = None,
                  progress: bool = True) -> CostModel:
-  """The step cost of this proposer over ``rows`` x ``node_counts``, fitted (``fit_cost``) from
-  one engine step timed at each of the ``measured_points``: at most 3 compiled programs, one per
-  point (``prompts``: a padded [B, P] array of representative prompts with their
+  """The step cost of this proposer over ``rows`` x ``node_counts``, tabulated (``fit_cost``)
+  from one engine step timed at each of the ``measured_points``: at most 6 compiled programs, one
+  per point (``prompts``: a padded [B, P] array of representative prompts with their
   ``prompt_lengths`` [B], reused cyclically to fill the rows). The first point at a row count
   compiles the prefill and a loop of ``steps`` steps behind a ``lax.cond`` (one call prefills,
   the others run the loop from the state after the prefill); the other point at that row count

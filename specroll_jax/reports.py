@@ -10,7 +10,8 @@ from specroll_jax.goodput import BucketChoice
 @dataclasses.dataclass(frozen=True)
 class SlowReport:
   """The slow path after one batch: the monitor's decision (``slow_path.REASONS``), the heads
-  refreshed, kept and rolled back, and the refresh's seconds (its compile apart)."""
+  refreshed, kept and rolled back, the refresh's seconds (its compile apart), its relative
+  held-out TV drop (gain; None without a refresh) and whether a learning phase goes on."""
 
   decision: str
   heads: tuple[int, ...] = ()
@@ -18,6 +19,9 @@ class SlowReport:
   rolled_back: tuple[int, ...] = ()
   refresh_seconds: float = 0.0
   compile_seconds: float = 0.0
+  gain: float | None = None
+  learning: bool = False
+  acceptance: float = 0.0  # head 1's records' hit rate this batch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +40,9 @@ class SpecRollReport:
   records: slow-path records drawn per head. rollout_seconds: the rollout's wall-clock (the
   probe's included), probe_seconds: the probe's share, host_seconds: the host work after it,
   compile_seconds: programs compiled by this call (warm-up), never part of the other figures.
-  choice: goodput's reasoning per bucket.
+  choice: goodput's reasoning per bucket. events: what changed that a person should see, in
+  words: a collapse of the heads' acceptance (the slow path refits them), a learning phase
+  that starts or ends.
   """
 
   batch: int
@@ -55,6 +61,7 @@ class SpecRollReport:
   host_seconds: float
   compile_seconds: float
   choice: tuple[BucketChoice, ...] = ()
+  events: tuple[str, ...] = ()
 
   def to_dict(self) -> dict:
     """Plain values for a metrics line (JSON)."""
@@ -74,15 +81,18 @@ def describe(sr, state) -> str:
                    + (", earlier responses)" if state.store is not None else ")"))
     what = " + ".join(parts) + " in one tree ranked by calibrated acceptance"
   budget = (f"goodput budgets from this machine's measured cost (probe every "
-            f"{sr.probe_every} batches where none pays)" if sr.budget == "goodput"
+            f"{sr.probe_every}..{max(sr.probe_every, sr.probe_max_every)} batches where none "
+            "pays)" if sr.budget == "goodput"
             else f"fixed budget ({sr.spec.node_budget} nodes per forward)")
   adapt = []
   if sr._has_reflex(state):
     adapt.append(f"Reflex (sleeps {sr.reflex.sleep_batches}..{sr.reflex.sleep_max_batches}"
                  " batches when unpaid)")
   if state.adaptation is not None and sr.slow.mode != "off":
-    adapt.append(f"slow path {sr.slow.mode} (bootstrap {sr.slow.bootstrap_batches} batches"
-                 f", {sr.records_per_batch} records per batch from the rollout)")
+    learn = (f"learning while a refit lowers held-out TV by {sr.slow.learn_gain:.0%}"
+             if sr.slow.learn_gain > 0 else f"bootstrap {sr.slow.bootstrap_batches} refreshes")
+    adapt.append(f"slow path {sr.slow.mode} ({learn}, {sr.records_per_batch} records per batch "
+                 "from the rows that verify trees)")
   return (f"SpecRoll: {what}; {budget}; buckets {sr.spec.bucket_fractions}; adaptation: "
           + (", ".join(adapt) or "none"))
 

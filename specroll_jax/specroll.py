@@ -104,9 +104,12 @@ class SpecRoll:
   ``mode="off"``: none). records_per_batch: anchors drawn per batch from the rollout's hidden
   states for the slow path. spec: buckets and the fixed node budget (None: ``SpecConfig.auto()``
   for this backend). budget: "goodput" (nodes per bucket from the measured cost and acceptance) or
-  "fixed" (``spec``'s). probe_every, probe_groups, probe_nodes: where goodput verifies nothing,
-  every ``probe_every``-th batch verifies ``probe_nodes`` nodes per row on its first
-  ``probe_groups`` groups (0: never). store_prompts, store_per_prompt: earlier responses kept
+  "fixed" (``spec``'s). probe_every, probe_max_every, probe_groups, probe_nodes: where goodput
+  verifies nothing, a probe batch verifies ``probe_nodes`` nodes per row on its first
+  ``probe_groups`` groups, every ``probe_every`` batches (0: never) while the heads learn (a
+  learning phase of the slow path) and, once a probe's measurement leaves every tree unpaid,
+  twice as far apart after each such probe, up to ``probe_max_every`` batches (what measuring
+  costs where it cannot pay). store_prompts, store_per_prompt: earlier responses kept
   (prompts, responses per prompt; None: G); 0 prompts: no store. calibration_strength /
   calibration_decay: ``calibration.init``'s. cost_nodes: node counts goodput measures and chooses
   from. kernels: ``Kernels.resolve``'s choice. prompt_width: pad prompts to this width (fixed
@@ -133,6 +136,7 @@ class SpecRoll:
   spec: SpecConfig | None = None
   budget: str = "goodput"
   probe_every: int = 4
+  probe_max_every: int = 32
   probe_groups: int = 1
   probe_nodes: int = 4
   store_prompts: int = 1024
@@ -149,7 +153,8 @@ class SpecRoll:
     check_type(self, "sampling", SamplingConfig)
     check_type(self, "heads_tree", RankedHeads)
     for name, lo in (("max_new_tokens", 1), ("group_size", 1), ("max_nodes", 1),
-                     ("records_per_batch", 1), ("probe_every", 0), ("probe_groups", 1),
+                     ("records_per_batch", 1), ("probe_every", 0), ("probe_max_every", 0),
+                     ("probe_groups", 1),
                      ("probe_nodes", 1), ("store_prompts", 0)):
       check_int(self, name, lo)
     if self.proposer is not None:
@@ -222,10 +227,25 @@ class SpecRoll:
 
   # -- state
 
-  def init(self, heads=None, *, proposer_params=None) -> SpecRollState:
+  def init(self, heads=None, *, proposer_params=None, key=None) -> SpecRollState:
     """A fresh state: ``heads`` (root-conditioned ``cond_heads.CondHeads`` for the default tree;
-    Medusa ``heads.Heads`` run it without Reflex; None: the lookup alone), or a custom proposer's
-    ``proposer_params``."""
+    Medusa ``heads.Heads`` run it without Reflex; ``"learn"``: fresh root-conditioned heads
+    (``cond_heads.init`` with ``key``, default ``jax.random.key(0)``) that the slow path learns
+    from the policy's own rollouts, for a model that comes without heads; None: the lookup
+    alone), or a custom proposer's ``proposer_params``."""
+    if isinstance(heads, str):
+      if heads != "learn":
+        raise ValueError(f"heads must be heads, None or 'learn', got {heads!r}")
+      if self.proposer is not None or self.slow.mode == "off" or self.slow.bootstrap_batches < 1:
+        raise ValueError("init(heads='learn') needs the default proposer and the slow path's "
+                         f"learning phase (SlowPathConfig mode != 'off', bootstrap_batches >= 1;"
+                         f" got mode {self.slow.mode!r}, bootstrap_batches "
+                         f"{self.slow.bootstrap_batches})")
+      from specroll_jax import cond_heads as _cond
+      heads = _cond.init(jax.random.key(0) if key is None else key, self.config,
+                         self.heads_tree.num_heads)
+    elif key is not None:
+      raise ValueError("key is for init(heads='learn') (fresh heads), not given heads")
     if self.proposer is not None:
       if heads is not None or proposer_params is None:
         raise ValueError("SpecRoll(proposer=...) takes its parameters as init(proposer_params="
@@ -260,7 +280,8 @@ class SpecRoll:
                                 per_prompt=self.store_per_prompt, max_tokens=self.max_new_tokens)
     return SpecRollState(adaptation=adapt, proposer_params=proposer_params, calibration=cal,
                          expected=jnp.zeros((ranks,), jnp.float32), store=store,
-                         batches=jnp.int32(0), owner=self.owner(heads))
+                         batches=jnp.int32(0), next_probe=jnp.int32(0),
+                         probe_gap=jnp.int32(self.probe_every), owner=self.owner(heads))
 
   def owner(self, heads=None) -> str:
     """The fingerprint a state of this object carries (settings, model, head family)."""
@@ -313,10 +334,11 @@ class SpecRoll:
   # -- one batch
 
   def plan(self, state: SpecRollState, batch: GroupBatch, *, probe: bool | None = None,
-           reflex: str | None = None) -> Plan:
+           reflex: str | None = None, trees: bool = False) -> Plan:
     """How the next batch runs: the proposer (Reflex awake, asleep or off), the nodes per bucket
     (goodput's choice or ``spec``'s budget) and whether it probes (``probe`` / ``reflex``
-    override the state's answer: what ``warmup`` compiles)."""
+    override the state's answer; ``trees``: a speculative plan with goodput's program whatever
+    the choice: what ``warmup`` compiles)."""
     adapt = state.adaptation
     heads = None if adapt is None else adapt.heads
     has_reflex = self._has_reflex(state)
@@ -328,6 +350,9 @@ class SpecRoll:
       return Plan("speculative", self.spec, prop, n, reflex)
     expected = np.asarray(state.expected, np.float64)
     choice, spec = (), None
+    if trees:
+      nodes = (max(self.cost_nodes),) * len(self.spec.bucket_fractions)
+      return Plan("speculative", dataclasses.replace(self.spec, nodes=nodes), prop, n, reflex)
     if expected[1:].any() and state.cost is not None:
       spec, choice = _goodput.choose(state.cost, expected, n, self.spec, capacity=prop.capacity)
       nodes = distributed.from_process0(np.asarray(spec.nodes, np.int32))  # one choice for all
@@ -335,7 +360,7 @@ class SpecRoll:
     if spec is not None and any(spec.nodes):
       return Plan("speculative", spec, prop, n, reflex, choice)
     if probe is None:
-      probe = self.probe_every > 0 and int(state.batches) % self.probe_every == 0
+      probe = self.probe_every > 0 and int(state.batches) >= int(state.next_probe)
     if not probe:
       return Plan("vanilla", spec, None, 0, "idle" if has_reflex else "off", choice)
     rows = min(n, self.probe_groups * self.group_size)
@@ -362,20 +387,31 @@ class SpecRoll:
     return prop.params(heads, table, prior=prior)
 
   def engine(self, plan: Plan, rows: PreparedBatch, *, speculative: bool):
-    """The engine object a plan runs on ``rows`` (traceable inside a caller's jit). The program
-    of the whole batch hands out its anchor hidden states when the slow path draws records from
-    them; a probe's does not."""
-    hidden = self._records_on() and (plan.mode == "speculative") == speculative
+    """The engine object a plan runs on ``rows`` (traceable inside a caller's jit). A program
+    that verifies trees (the whole batch's in speculative mode, a probe's) hands out its anchor
+    hidden states when the slow path draws records from them; the vanilla one does not (where
+    goodput verifies no tree the heads learn no more than the probes measure)."""
+    hidden = self._records_on() and speculative
     settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                               cache_length=rows.cache_length,
                               kernels=Kernels.resolve(self.kernels), return_hidden=hidden)
-    engine = (SpecEngine(self.config, settings, plan.proposer, plan.spec) if speculative
-              else VanillaEngine(self.config, settings))
+    engine = (SpecEngine(self.config, settings, plan.proposer, self._engine_spec(plan))
+              if speculative else VanillaEngine(self.config, settings))
     return engine if self.params_from is None else Mapped(engine, self.params_from)
 
   def decoder_params(self, params):
     """The decoder's parameter tree of the ``params`` a caller passes (``params_from``, eagerly)."""
     return params if self.params_from is None else self.params_from(params)
+
+  def _choices(self, plan: Plan) -> bool:
+    """Whether ``plan`` runs goodput's program: every bucket switches at run time between the
+    ``cost_nodes`` counts, so no choice of goodput's compiles a program of its own."""
+    return self.budget == "goodput" and plan.mode == "speculative"
+
+  def _engine_spec(self, plan: Plan) -> SpecConfig:
+    if self._choices(plan):
+      return dataclasses.replace(plan.spec, nodes=None, gate=None, choices=self.cost_nodes)
+    return plan.spec
 
   def _records_on(self) -> bool:
     return self.proposer is None and self.slow.mode != "off"
@@ -387,7 +423,10 @@ class SpecRoll:
     if plan.mode == "speculative":
       pp = self.proposer_params(state, batch, plan)
       plan.proposer.validate_batch(self.config, pp, rows.tokens, rows.lengths, rows.sample_ids)
-      return [(self.engine(plan, rows, speculative=True), (params, pp, rows.device(seed)))]
+      args = (params, pp, rows.device(seed))
+      if self._choices(plan):  # goodput's counts, given at run time
+        args += (np.asarray(plan.spec.nodes, np.int32),)
+      return [(self.engine(plan, rows, speculative=True), args)]
     calls = [(self.engine(plan, rows, speculative=False), (params, rows.device(seed)))]
     if plan.mode == "probe":
       head = head_rows(rows, plan.probe_rows)
@@ -398,9 +437,10 @@ class SpecRoll:
 
   def warmup(self, params, batch: GroupBatch, state: SpecRollState) -> float:
     """Compile every rollout program a batch of this shape can run on this machine (the vanilla
-    one, the probes with Reflex awake and asleep, or the speculative one of the current plan),
-    without running any. Returns the compile seconds. ``generate`` calls it on a state's first
-    batch, so later batches of the same shape compile nothing."""
+    one, the probes with Reflex awake and asleep, goodput's speculative program where a tree
+    could pay at all on this machine, or the fixed budget's), without running any. Returns the
+    compile seconds. ``generate`` calls it on a state's first batch, so later batches of the same
+    shape compile nothing, whatever goodput chooses."""
     t0 = _exe.compile_seconds()
     params = place(params)
     states = ("awake", "asleep") if self._has_reflex(state) else ("off",)
@@ -408,10 +448,23 @@ class SpecRoll:
     if self.budget == "goodput":
       plans += [self.plan(state, batch, probe=False)]
       plans += [self.plan(state, batch, probe=True, reflex=r) for r in states]
+      if self._trees_can_pay(state, batch):
+        plans += [self.plan(state, batch, reflex=r, trees=True) for r in states]
     for plan in plans:
       for engine, args in self._calls(params, batch, state, plan, 0):
         _exe.compiled(engine, *args)
     return _exe.compile_seconds() - t0
+
+  def _trees_can_pay(self, state: SpecRollState, batch: GroupBatch) -> bool:
+    """Whether goodput could give any bucket of this batch a tree on this machine: with every
+    node of a tree accepted up to the proposer's depth (acceptance no proposer beats)."""
+    if state.cost is None:
+      return True
+    heads = None if state.adaptation is None else state.adaptation.heads
+    prop = self._ranked(heads, False)
+    perfect = np.minimum(np.arange(prop.capacity + 1), prop.max_depth).astype(np.float64)
+    spec, _ = _goodput.choose(state.cost, perfect, len(batch), self.spec, capacity=prop.capacity)
+    return any(spec.nodes)
 
   def generate(self, params, batch: GroupBatch, state: SpecRollState, *,
                seed: int = 0) -> tuple[Rollout, SpecRollState]:

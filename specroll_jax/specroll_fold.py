@@ -67,9 +67,12 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
     store = _store.store_add(store, distributed.all_rows(batch.row_prompt_ids),
                              [ptoks[i, : plens[i]] for i in range(len(plens))],
                              distributed.all_rows(out.tokens), distributed.all_rows(out.lengths))
-  slow, counts = None, ()
-  if adapt is not None and adapt.config.slow.mode != "off" and out.hidden is not None:
-    adapt, slow, counts = slow_path(sr, params, adapt, batch, out, seconds, seed)
+  slow, counts, events = None, (), []
+  was_learning = adapt is not None and int(adapt.slow.monitor.learning) > 0
+  if (adapt is not None and adapt.config.slow.mode != "off" and spec is not None
+      and spec.hidden is not None):  # records from the rows that verified trees
+    adapt, slow, counts = slow_path(sr, params, adapt, batch, spec, seconds, seed)
+    events = slow_events(slow, was_learning)
   acc = ()
   if spec is not None:  # over every process's rows
     prop = distributed.all_sum(spec.stats.spec.depth_proposed).astype(np.float64)
@@ -77,9 +80,17 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
     acc = tuple(float(x) for x in hit / np.maximum(prop, 1))
     if plan.mode == "probe":
       probe_tau = tau(spec)
+  gap, next_probe = int(state.probe_gap), int(state.next_probe)
+  if plan.mode != "vanilla":  # measured now: when to measure next where no tree pays
+    learning = adapt is not None and int(adapt.slow.monitor.learning) > 0
+    pays = plan.mode == "speculative"
+    gap = sr.probe_every if pays or learning else min(
+        2 * gap, max(sr.probe_max_every, sr.probe_every))
+    next_probe = int(state.batches) + max(gap, 1)
   new = state.replace(adaptation=None if adapt is None else place(adapt.replace(
       batches=adapt.batches + 1)), calibration=cal, expected=expected, store=store,
-                      batches=state.batches + 1)
+                      batches=state.batches + 1, next_probe=jnp.int32(next_probe),
+                      probe_gap=jnp.int32(gap))
   if jax.process_count() > 1:
     check_same(new)
   nodes = (0,)  # nodes per row in each bucket that ran (the probe's one bucket for a probe)
@@ -93,20 +104,36 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
       expected=tuple(float(x) for x in np.asarray(expected)), reflex=plan.reflex,
       safety=safety, slow=slow, records=counts, rollout_seconds=float(seconds),
       probe_seconds=float(probe_seconds), host_seconds=time.perf_counter() - t0,
-      compile_seconds=float(compile_seconds), choice=plan.choice)
+      compile_seconds=float(compile_seconds), choice=plan.choice, events=tuple(events))
   return out.replace(report=report), new
 
+
+def slow_events(slow: SlowReport, was_learning: bool) -> list[str]:
+  """What the slow path did that a person should see, in words (``SpecRollReport.events``)."""
+  events = []
+  gain = "" if slow.gain is None else f" (the refit lowered held-out TV by {slow.gain:.1%})"
+  if slow.decision == "collapse":
+    events.append(f"collapse: head 1 accepted {slow.acceptance:.3f} of its records: every head "
+                  "is refitted and learns again" + gain)
+  elif slow.learning and not was_learning:
+    events.append("learning phase starts" + gain)
+  if was_learning and not slow.learning:
+    events.append("learning phase ends" + gain)
+  return events
+
 def slow_path(sr, params, adapt, batch, out, seconds, seed):
-  """Records drawn from the rollout's anchor hidden states (every process's), then the slow
-  path's monitor and refresh (``slow_path.after_batch``); each head's acceptance is its
-  records' hit rate (the committed token among its top candidates), whatever the batch ran."""
+  """Records drawn from the anchor hidden states of ``out`` (the rollout of the batch's first
+  rows that verified trees: all of them, or a probe's; every process's), then the slow path's
+  monitor and refresh (``slow_path.after_batch``); each head's acceptance is its records' hit
+  rate (the committed token among its coupled candidates), whatever the tree proposed."""
   cfg = adapt.config
   key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
   params = sr.decoder_params(params)
+  rows = out.tokens.shape[0]
   recs = _trainer_records.from_hidden(
       cfg.reflex, sr.config, params, adapt.heads, out.hidden, out.tokens, out.lengths,
-      jnp.asarray(batch.lengths), sampling=sr.sampling, key=key,
-      num_anchors=sr.records_per_batch, seed=seed, sample_ids=batch.sample_ids)
+      jnp.asarray(batch.lengths[:rows]), sampling=sr.sampling, key=key,
+      num_anchors=sr.records_per_batch, seed=seed, sample_ids=batch.sample_ids[:rows])
   if jax.process_count() > 1:
     recs = jax.tree.map(lambda x: jnp.asarray(
         distributed.all_sum(x) if x.ndim == 1 else distributed.all_concat(x, 1)), recs)
@@ -122,7 +149,8 @@ def slow_path(sr, params, adapt, batch, out, seconds, seed):
                                                        "last_refresh_seconds")}))
   report = SlowReport(decision=rep.decision, heads=rep.heads, kept=rep.kept,
                       rolled_back=rep.rolled_back, refresh_seconds=rep.refresh_seconds,
-                      compile_seconds=rep.compile_seconds)
+                      compile_seconds=rep.compile_seconds, gain=rep.gain,
+                      learning=rep.learning, acceptance=float(np.nan_to_num(acc[0])))
   return adapt.replace(slow=slow, heads=heads), report, rep.records
 
 

@@ -66,7 +66,10 @@ class SpecRollState:
     default). calibration: the acceptance table of the ranked tree (None for an unranked custom
     proposer). expected [Nr]: expected accepted nodes per row-step with the best n nodes, as
     measured so far (what goodput weighs; zeros until a tree was verified). store: earlier
-    responses per prompt (None: no store). batches: rollout batches so far. cost: the machine's
+    responses per prompt (None: no store). batches: rollout batches so far. next_probe /
+    probe_gap: where goodput verifies no tree, the first batch that probes and the batches
+    between probes (``SpecRoll.probe_every``, doubling up to ``probe_max_every`` while probes
+    find nothing that pays and no learning phase runs). cost: the machine's
     measured step cost (static; measured at the first goodput batch, cached on disk). owner: the
     fingerprint of the ``SpecRoll`` settings and model this state belongs to (static).
   """
@@ -77,6 +80,8 @@ class SpecRollState:
   expected: Float[Array, " Nr"]
   store: _store.StoreState | None
   batches: Int[Array, ""]
+  next_probe: Int[Array, ""]
+  probe_gap: Int[Array, ""]
   cost: _goodput.CostModel | None = flax.struct.field(pytree_node=False, default=None)
   owner: str = flax.struct.field(pytree_node=False, default="")
 

@@ -20,6 +20,7 @@ the proposer proposes.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.struct
@@ -300,12 +301,17 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
 
 
 def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecState, eos_ids,
-               seed, *, settings: DecodeSettings, spec: SpecConfig, bucket: int) -> SpecState:
-  """Compact into bucket ``bucket`` (static) and loop there until few enough rows are active."""
+               seed, *, settings: DecodeSettings, spec: SpecConfig, bucket: int,
+               nodes=None) -> SpecState:
+  """Compact into bucket ``bucket`` (static) and loop there until few enough rows are active.
+  With ``spec.choices``, ``nodes`` [S] (traced, one count per bucket fraction) picks this
+  bucket's count: a ``lax.switch`` over one step per choice (a count not among them: the plain
+  step)."""
   params = _dec.unstack_layers(params)
-  shapes = bucket_shapes(spec, proposer, state.out.tokens.shape[0])
+  b = state.out.tokens.shape[0]
+  shapes = bucket_shapes(spec, proposer, b)
   rows, n = shapes[bucket]
-  gate = spec.gate_of(state.out.tokens.shape[0], bucket)
+  gate = spec.gate_of(b, bucket)
   slots = state.slots
   if rows < slots.root.shape[0]:
     slots = compact(slots, rows)
@@ -315,9 +321,20 @@ def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecS
     n_active = jnp.sum(~s.slots.done)
     return (n_active > 0) & (n_active > exit_rows)
 
-  def body(s: SpecState) -> SpecState:
+  def step(s: SpecState, num_nodes: int) -> SpecState:
     return spec_step(config, params, proposer, proposer_params, s, eos_ids, seed,
-                     settings=settings, num_nodes=n, bucket=bucket, gate=gate)
+                     settings=settings, num_nodes=num_nodes, bucket=bucket, gate=gate)
+
+  if spec.choices is None:
+    body = lambda s: step(s, n)
+  else:
+    counts = [min(c, n) for c in spec.choices]
+    want = jnp.asarray(nodes, jnp.int32)[_buckets.kept_buckets(b, spec.bucket_fractions)[
+        bucket][1]]
+    hit = jnp.asarray(counts, jnp.int32) == want
+    pick = jnp.where(hit.any(), jnp.argmax(hit), counts.index(0) if 0 in counts else 0)
+    branches = [functools.partial(step, num_nodes=c) for c in counts]
+    body = lambda s: jax.lax.switch(pick, branches, s)
 
   return jax.lax.while_loop(cond, body, state.replace(slots=slots))
 
@@ -337,16 +354,24 @@ def finish(state: SpecState, settings: DecodeSettings) -> Rollout:
 
 def speculative_rollout(config, params, proposer: Proposer, proposer_params, prompt_tokens,
                         prompt_lengths, sample_ids, eos_ids, seed, *, settings: DecodeSettings,
-                        spec: SpecConfig) -> Rollout:
+                        spec: SpecConfig, nodes=None) -> Rollout:
   """Sample one response per row with speculative decoding: the vanilla rollout, token for token.
 
   Traceable (no host work): every bucket runs inside the caller's trace. Arguments as in
   ``vanilla.vanilla_rollout``, plus the proposer (static settings), its parameters (traced) and
-  ``spec`` (static). ``config``, ``proposer``, ``settings`` and ``spec`` are static.
+  ``spec`` (static); with ``spec.choices``, ``nodes`` [S] (traced): each bucket fraction's node
+  count. ``config``, ``proposer``, ``settings`` and ``spec`` are static.
   """
+  if (spec.choices is None) != (nodes is None):
+    raise ValueError("nodes (each bucket's node count at run time) goes with SpecConfig.choices "
+                     f"and only with it; got choices={spec.choices}, nodes "
+                     f"{'given' if nodes is not None else 'None'}")
+  if nodes is not None and tuple(jnp.shape(nodes)) != (len(spec.bucket_fractions),):
+    raise ValueError(f"nodes must hold one count per bucket fraction "
+                     f"({len(spec.bucket_fractions)}), got shape {tuple(jnp.shape(nodes))}")
   state = init_state(config, params, proposer, proposer_params, prompt_tokens, prompt_lengths,
                      sample_ids, eos_ids, seed, settings=settings, spec=spec)
   for i in range(len(bucket_shapes(spec, proposer, prompt_tokens.shape[0]))):
     state = run_bucket(config, params, proposer, proposer_params, state, eos_ids, seed,
-                       settings=settings, spec=spec, bucket=i)
+                       settings=settings, spec=spec, bucket=i, nodes=nodes)
   return finish(state, settings)

@@ -1,7 +1,7 @@
 """Goodput budgets: the cost model's checks and interpolation; where trees cannot pay no node is
-verified, where the cost is flat and proposals are confident trees grow; a cost model is fitted
-through three measured steps (three compiled programs) and cached; per-bucket node counts run
-exactly; calibration counts."""
+verified, where the cost is flat and proposals are confident trees grow; a cost model is
+tabulated from up to six measured steps (one compiled program each) and cached; per-bucket node
+counts run exactly; calibration counts."""
 
 import contextlib
 
@@ -41,30 +41,37 @@ def test_cost_model_checks_and_interpolates():
   assert goodput.CostModel.from_json(c.to_json()) == c
 
 
-def test_cost_fit_passes_through_its_three_measurements_and_grows_with_nodes():
+def test_cost_fit_passes_through_its_measurements_and_grows_with_nodes_and_rows():
+  """The table holds the measured row counts; at each, the plain step, the smallest and the
+  largest tree as measured and the node counts between on the line through their neighbours
+  (a fixed price per tree step: a 1-node tree costs more than a quarter of a 4-node one's extra);
+  rows in between are interpolated; noise out of order is clamped monotone."""
   rows, nodes = (64, 32, 16), (0, 1, 2, 4)
-  assert goodput.measured_points(rows, nodes) == ((64, 0), (64, 4), (16, 0))
+  assert goodput.measured_points(rows, nodes) == ((64, 0), (64, 1), (64, 4), (16, 0), (16, 1),
+                                                  (16, 4))
+  assert goodput.measured_points(rows, (0, 4)) == ((64, 0), (64, 4), (16, 0), (16, 4))
   assert goodput.measured_points((8,), (0,)) == ((8, 0),)
-  # cost(R, n) = a + R (b + c n) with a = 1e-3, b = 1e-4, c = 5e-5: by hand at the three points
-  measured = {(64, 0): 1e-3 + 64e-4, (64, 4): 1e-3 + 64 * (1e-4 + 4 * 5e-5), (16, 0): 1e-3 + 16e-4}
+  # by hand: plain 1 + R / 16 ms; a tree adds 3 ms + R / 32 ms per node (a fixed price per step)
+  ms = lambda r, n: 1e-3 * (1 + r / 16 + (n > 0) * (3 + n * r / 32))
+  measured = {p: ms(*p) for p in goodput.measured_points(rows, nodes)}
   c = goodput.fit_cost(rows, nodes, measured)
-  assert c.rows == rows and c.node_counts == nodes
-  for (r, n), s in measured.items():
-    assert c.cost(r, n) == pytest.approx(s, rel=1e-12)  # through every measurement
-  assert c.cost(32, 2) == pytest.approx(1e-3 + 32 * (1e-4 + 2 * 5e-5))  # derived
+  assert c.rows == (64, 16) and c.node_counts == nodes
+  for (r, n), sec in measured.items():
+    assert c.cost(r, n) == pytest.approx(sec, rel=1e-12)  # through every measurement
+  assert c.cost(64, 2) == pytest.approx(ms(64, 2))  # affine in n above the smallest tree
+  assert c.cost(16, 2) == pytest.approx(ms(16, 2))
+  assert c.cost(32, 2) == pytest.approx((ms(64, 2) + 2 * ms(16, 2)) / 3)  # between the rows
+  assert c.cost(64, 1) - c.cost(64, 0) > (c.cost(64, 4) - c.cost(64, 0)) / 4  # not linear from 0
   sec = np.asarray(c.seconds)
   assert (np.diff(sec, axis=1) > 0).all() and (np.diff(sec[::-1], axis=0) > 0).all()
-  # noise outside the model's range: a tree below the plain step is flat in n; fewer rows no
-  # cheaper is flat in rows; fewer rows cheaper than in proportion is in proportion
-  flat = goodput.fit_cost(rows, nodes, {(64, 0): 2.0, (64, 4): 1.9, (16, 0): 2.1})
-  np.testing.assert_allclose(flat.seconds, 2.0)
-  prop = goodput.fit_cost(rows, nodes, {(64, 0): 2.0, (64, 4): 4.0, (16, 0): 0.25})
-  np.testing.assert_allclose(np.asarray(prop.seconds)[:, 0], [2.0, 1.0, 0.5])
-  assert prop.cost(64, 4) == pytest.approx(4.0) and prop.cost(16, 4) == pytest.approx(1.0)
+  # noise out of order: a tree below a smaller one is flat in n; fewer rows dearer is flat
+  noisy = goodput.fit_cost(rows, (0, 4), {(64, 0): 2.0, (64, 4): 1.9, (16, 0): 2.1,
+                                          (16, 4): 2.2})
+  np.testing.assert_allclose(noisy.seconds, [[2.1, 2.2], [2.1, 2.2]])
   one = goodput.fit_cost((8,), (0, 2), {(8, 0): 1.0, (8, 2): 3.0})
   assert one.cost(4, 2) == pytest.approx(1.5)  # one row count: in proportion to rows
-  with pytest.raises(ValueError, match=r"missing \[\(16, 0\)\]"):
-    goodput.fit_cost(rows, nodes, {(64, 0): 1.0, (64, 4): 2.0})
+  with pytest.raises(ValueError, match=r"missing \[\(16, 0\), \(16, 4\)\]"):
+    goodput.fit_cost(rows, (0, 4), {(64, 0): 1.0, (64, 4): 2.0})
 
 
 def test_choose_verifies_nothing_where_trees_cannot_pay_and_grows_trees_where_they_do():
@@ -133,10 +140,10 @@ def test_zero_nodes_verify_nothing_and_measured_cost_is_cached(trained_model, gs
     cost = goodput.measure_cost(config, params, gl, gl.context(), pb.tokens, pb.lengths, **args)
   assert programs.count("jit(unstack_layers)") == 1, programs
   timed = [p for p in programs if p != "jit(unstack_layers)"]
-  assert len(timed) == len(goodput.measured_points((4, 2), (0, 2))) == 3, programs
+  assert len(timed) == len(goodput.measured_points((4, 2), (0, 2))) == 4, programs
   assert cost.rows == (4, 2) and cost.node_counts == (0, 2)
   (_, _, measured), = fits
-  assert sorted(measured) == [(2, 0), (4, 0), (4, 2)]
+  assert sorted(measured) == [(2, 0), (2, 2), (4, 0), (4, 2)]
   assert cost.cost(4, 0) == pytest.approx(measured[(4, 0)], rel=1e-12)  # whatever the noise
   assert all(s > 0 for r in cost.seconds for s in r)
   assert all(r[0] <= r[1] for r in cost.seconds)  # monotone in nodes
@@ -194,3 +201,44 @@ def test_gated_steps_run_the_plain_step_exactly(trained_model, gsm8k_prompts):
   spec, _ = goodput.choose(_cost(0.5), np.array([0.0, 0.3, 0.45, 0.55, 0.6]), 64, SPEC,
                            capacity=8, gated=True)
   assert spec.nodes[0] == 1 and spec.gate[0] == pytest.approx(0.5)  # break-even of n = 1
+
+
+def test_choices_run_any_node_count_per_bucket_from_one_program(trained_model, gsm8k_prompts):
+  """``SpecConfig.choices``: one compiled program runs every per-bucket choice of node counts
+  given at run time (goodput's per batch), each exactly as the program compiled for that choice
+  (the vanilla tokens; nodes verified only where the count is > 0); a count outside the choices
+  runs the plain step; shapes are checked by name."""
+  from specroll_jax import executables
+  from specroll_jax.engines import SpecEngine
+  config, params, tok = trained_model
+  prompts = [p for p in gsm8k_prompts[:4] for _ in range(2)]
+  pb = rollout.prepare_batch(config, prompts, max_new_tokens=24, sample_ids=np.arange(8),
+                             eos_ids=tok.eos_ids)
+  sampling = SamplingConfig(temperature=1.0)
+  ref = rollout.generate(config, params, pb.tokens, prompt_lengths=pb.lengths, max_new_tokens=24,
+                         sample_ids=pb.sample_ids, seed=3, eos_ids=tok.eos_ids, sampling=sampling,
+                         options=rollout.DecodeOptions(cache_length=pb.cache_length))
+  gl = GroupLookup(group_size=2)
+  spec = SpecConfig(bucket_fractions=(1.0, 0.5), choices=(0, 3))
+  engine = SpecEngine.build(config, proposer=gl, max_new_tokens=24, cache_length=pb.cache_length,
+                            sampling=sampling, spec=spec, kernels="reference")
+  before = executables.programs()
+  verified = {}
+  for nodes in ((0, 3), (3, 0), (0, 0), (3, 3), (0, 2)):
+    out = executables.run(engine, params, gl.context(), pb.device(3), np.asarray(nodes, np.int32))
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    fwd = np.asarray(out.stats.spec.bucket_forwards)
+    verified[nodes] = int(out.stats.spec.nodes_verified)
+    if nodes[0] == 3:  # (the second bucket runs only if rows finish early)
+      assert verified[nodes] > 0
+    elif fwd[1] == 0:  # the plain step in the first bucket (2 is not a choice: plain too)
+      assert verified[nodes] == 0
+  assert executables.programs() == before + 1  # one program for every choice
+  with pytest.raises(ValueError, match="nodes must hold one count per bucket fraction"):
+    engine(params, gl.context(), pb.device(3), np.zeros((3,), np.int32))
+  with pytest.raises(ValueError, match="goes with SpecConfig.choices"):
+    engine(params, gl.context(), pb.device(3))
+  with pytest.raises(ValueError, match="excludes nodes and gate"):
+    SpecConfig(bucket_fractions=(1.0,), choices=(0, 2), nodes=(2,))
+  with pytest.raises(ValueError, match="SpecConfig.choices must be distinct"):
+    SpecConfig(choices=(2, 0))

@@ -125,6 +125,91 @@ def test_monitor_fires_on_sustained_degradation_worst_two_heads_after_patience_w
   assert "cooldown" in reasons[14:20]
 
 
+def _refresh_result(before, after, keep=(True, True, True)):
+  """A ``RefreshResult`` of every head with held-out TV ``before`` -> ``after``."""
+  f = lambda x: jnp.asarray(x, jnp.float32)
+  ev = lambda tv: sp.Evaluation(ce=f([1.0] * K), tv=f(tv), token_ce=f([1.0] * K), n=f([9] * K))
+  return sp.RefreshResult(trained=jnp.ones((K,), bool), keep=jnp.asarray(keep),
+                          before=ev(before), after=ev(after), loss=f([0.0] * K),
+                          n_train=f([9] * K))
+
+
+def test_refresh_gain_averages_the_relative_tv_drop_and_counts_a_rollback_as_none():
+  r = _refresh_result([0.4, 0.5, 0.2], [0.3, 0.5, 0.1], keep=(True, True, False))
+  assert sp.refresh_gain(r) == pytest.approx((0.25 + 0.0 + 0.0) / 3)
+  assert sp.refresh_gain(r.replace(trained=jnp.zeros((K,), bool))) == 0.0
+
+
+def test_learning_goes_on_while_refits_pay_and_ends_when_they_stop():
+  """A learning phase runs its first ``bootstrap_batches`` refreshes, then as long as each lowers
+  the held-out TV by ``learn_gain``; with ``learn_gain`` 0 it runs exactly its refreshes; a
+  refresh after sustained degradation that pays starts a new phase. Batches without records
+  neither refresh nor end it, and the calibration's clock starts where it ends."""
+  from specroll_jax.slow_path import _learn_after
+  from specroll_jax.slow_path.config import _R
+  cfg = MON_CFG.replace(bootstrap_batches=2, learn_gain=0.05, calibration_batches=3)
+  m = sp.monitor_init(cfg, K)
+  assert int(m.learning) == 1 and int(m.phases) == 1
+  flags = []
+  for gain in (0.0, 0.2, 0.1, 0.01, 0.3):  # the bootstrap's 2 refreshes, then while they pay
+    m = _learn_after(cfg, m, _R["bootstrap"] if int(m.learn_refreshes) < 2 else _R["learning"],
+                     3, gain)
+    flags.append(int(m.learning))
+    if not flags[-1]:
+      break
+  assert flags == [1, 1, 1, 0] and int(m.learn_refreshes) == 4
+  fixed = cfg.replace(learn_gain=0.0)
+  m2 = sp.monitor_init(fixed, K)
+  m2 = _learn_after(fixed, m2, _R["bootstrap"], 3, 0.9)
+  assert int(m2.learning) == 1
+  m2 = _learn_after(fixed, m2, _R["bootstrap"], 3, 0.9)
+  assert int(m2.learning) == 0  # exactly bootstrap_batches refreshes
+  again = _learn_after(cfg, m, _R["sustained_degradation"], 3, 0.2)  # a task shift that pays
+  assert int(again.learning) == 1 and int(again.phases) == 2 and int(again.learn_refreshes) == 0
+  assert int(_learn_after(cfg, m, _R["sustained_degradation"], 3, 0.01).learning) == 0
+  # through the monitor: records-free batches keep the phase, then it ends and calibration runs
+  upd = jax.jit(sp.monitor_update, static_argnums=0)
+  m = sp.monitor_init(cfg, K)
+  tv, acc = jnp.full((K,), 0.3), jnp.full((K,), 0.6)
+  reasons = []
+  for b in range(8):
+    n = jnp.full((K,), 0.0 if b % 2 else 20.0)  # records on every other batch only
+    m, d = upd(cfg, m, tv, acc, n, jnp.float32(1.0))
+    reasons.append(sp.REASONS[int(d.reason)])
+    assert bool(d.refresh.any()) == (b % 2 == 0 and int(m.learning) == 1)
+    if d.refresh.any():  # as after_batch does: the phase ends at the second refresh (no gain)
+      m = _learn_after(cfg, m, int(d.reason), int(d.steps), 0.0)
+  assert reasons[:3] == ["bootstrap"] * 3  # two refreshes, over three batches
+  assert reasons[3:6] == ["calibrating"] * 3 and int(m.learn_end) == 3
+
+
+def test_learning_steps_fit_the_budget_and_a_collapse_refits_and_learns():
+  """A learning refresh takes the steps that fit ``learn_budget`` of the batch's rollout at the
+  last refresh's seconds per step; head 1's acceptance near nothing over enough records is a
+  collapse: every head with records refreshes and a learning phase starts."""
+  cfg = MON_CFG.replace(bootstrap_batches=1, bootstrap_steps=20, learn_budget=0.05,
+                        collapse_acceptance=0.02, collapse_records=16, calibration_batches=2)
+  upd = jax.jit(sp.monitor_update, static_argnums=0)
+  m = sp.monitor_init(cfg, K)
+  tv, n = jnp.full((K,), 0.3), jnp.full((K,), 20.0)
+  m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(2.0))
+  assert int(d.steps) == 1  # nothing timed yet: one step
+  m = m.replace(last_refresh_seconds=jnp.float32(0.04), last_refresh_steps=jnp.int32(4))
+  m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(2.0))
+  assert int(d.steps) == 10  # 0.05 * 2 s at 0.01 s per step
+  m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(100.0))
+  assert int(d.steps) == 20  # at most bootstrap_steps
+  m = m.replace(learning=jnp.int32(0))
+  for _ in range(4):  # calibrated and healthy
+    m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(2.0))
+  assert sp.REASONS[int(d.reason)] in ("calibrating", "healthy", "waiting")
+  m, d = upd(cfg, m, tv, jnp.asarray([0.01, 0.6, 0.6]), jnp.full((K,), 8.0), jnp.float32(2.0))
+  assert sp.REASONS[int(d.reason)] != "collapse"  # too few records to call it
+  m, d = upd(cfg, m, tv, jnp.asarray([0.01, 0.6, 0.6]), n, jnp.float32(2.0))
+  assert sp.REASONS[int(d.reason)] == "collapse" and np.asarray(d.refresh).all()
+  assert int(m.learning) == 1 and int(m.phases) == 2
+
+
 def test_monitor_degradation_budget_bounds_the_refresh_share_and_fires_once_it_fits():
   """degradation_budget: a refresh fires only while the refresh seconds so far plus the last
   refresh's fit in the budget's share of the rollout seconds so far; over budget the decision
@@ -671,12 +756,15 @@ def test_main_job_slow_path_settings(tmp_path):
   from conftest import load_script
   mod = load_script("gsm8k.py")
   cfg = mod.run_config(mod.parse(["--records-per-batch", "64"]), rollout_kind="specroll")
-  assert cfg.slow == sp.SlowPathConfig.for_small_models(bootstrap_batches=10, bootstrap_steps=20)
+  learn = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.01, learn_budget=0.05,
+               collapse_acceptance=0.02)
+  assert cfg.slow == sp.SlowPathConfig.for_small_models(**learn)
   assert cfg.records_per_batch == 64
   cfg = mod.run_config(mod.parse(["--trainer-anchors", "32"]), rollout_kind="specroll")
   assert cfg.records_per_batch == 32  # the deprecated name of the flag
   cfg = mod.run_config(mod.parse(["--model", str(tmp_path)]), rollout_kind="specroll")
-  assert cfg.slow == sp.SlowPathConfig(bootstrap_batches=10, bootstrap_steps=20)
+  assert cfg.slow == sp.SlowPathConfig(**learn)
   cfg = mod.run_config(mod.parse(["--model", str(tmp_path), "--slow-refresh-vocab", "support",
                                   "--slow-bootstrap", "0"]), rollout_kind="specroll")
-  assert cfg.slow == sp.SlowPathConfig(refresh_vocab="support", bootstrap_steps=20)
+  assert cfg.slow == sp.SlowPathConfig(refresh_vocab="support", **{**learn,
+                                                                     "bootstrap_batches": 0})

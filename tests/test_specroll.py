@@ -89,13 +89,71 @@ def test_plans_from_cost_and_acceptance(setup):
   p = sr.plan(st, batch)  # batch 0: a probe
   assert p.mode == "probe" and p.probe_rows == G and p.spec.nodes == (4,)
   assert p.spec.bucket_fractions == (1.0,) and p.reflex == "awake"
-  p = sr.plan(st.replace(batches=jnp.int32(1)), batch)
+  p = sr.plan(st.replace(batches=jnp.int32(1), next_probe=jnp.int32(2)), batch)
   assert p.mode == "vanilla" and p.proposer is None and p.reflex == "idle"
   assert all(c.nodes == 0 for c in p.choice)
-  p = sr.plan(state.replace(cost=flat, expected=expected, batches=jnp.int32(1)), batch)
+  p = sr.plan(state.replace(cost=flat, expected=expected, batches=jnp.int32(1),
+                            next_probe=jnp.int32(2)), batch)
   assert p.mode == "speculative" and any(p.spec.nodes) and p.probe_rows == len(batch)
   p = sr.plan(state.replace(cost=linear), batch)  # nothing measured yet: probe to learn it
   assert p.mode == "probe"
+
+
+def test_probes_back_off_where_trees_do_not_pay(setup):
+  """A probe whose measurement leaves every tree unpaid (a cost model where a tree costs three
+  plain steps) puts the next probe twice as far off, up to ``probe_max_every``; the probe's rows
+  (and only they) hand the slow path their records; the tokens are vanilla's."""
+  config, params, tok, heads, sr, prompts = setup
+  sr = dataclasses.replace(sr, budget="goodput", probe_every=2, probe_max_every=3, reflex=None,
+                           spec=SpecConfig(bucket_fractions=(1.0,)))
+  linear = CostModel(rows=(8, 4), node_counts=(0, 4), seconds=((1.0, 3.0), (0.5, 1.5)))
+  state = sr.init(heads).replace(cost=linear)
+  batch = sr.batch(prompts, np.array([0, 1]))
+  out, st = sr.generate(params, batch, state, seed=5)
+  assert out.report.mode == "probe" and out.report.probe_tau is not None
+  assert (np.asarray(out.tokens) == np.asarray(_vanilla(config, params, batch, 5).tokens)).all()
+  assert int(st.probe_gap) == 3 and int(st.next_probe) == 3  # min(2 * 2, 3) batches on
+  assert sr.plan(st.replace(batches=jnp.int32(2)), batch).mode == "vanilla"
+  assert sr.plan(st.replace(batches=jnp.int32(3)), batch).mode == "probe"
+
+
+def test_no_compile_after_the_first_batch_whatever_goodput_chooses(setup):
+  """Goodput's speculative program switches between ``cost_nodes`` counts per bucket at run
+  time: the first batch compiles it (warm-up), and later batches whose choice differs (a tree in
+  the small bucket only, then in both) compile nothing; the tokens are vanilla's."""
+  config, params, tok, heads, sr, prompts = setup
+  sr = dataclasses.replace(sr, budget="goodput", reflex=None,
+                           spec=SpecConfig(bucket_fractions=(1.0, 0.5)))
+  cost = CostModel(rows=(8, 4), node_counts=(0, 4), seconds=((1.0, 2.0), (0.5, 0.55)))
+  state = sr.init(heads).replace(cost=cost)
+  batch = sr.batch(prompts, np.array([0, 1]))
+  van = _vanilla(config, params, batch, 7)
+  e = lambda x: jnp.asarray(np.r_[0.0, np.full(len(np.asarray(state.expected)) - 1, x)],
+                            jnp.float32)
+  out, st = sr.generate(params, batch, state.replace(expected=e(0.6)), seed=7)
+  assert out.report.mode == "speculative" and out.report.nodes == (0, 4)
+  assert out.report.compile_seconds > 0  # the first batch: the warm-up
+  for x, nodes in ((3.0, (4, 4)), (0.6, (0, 4))):
+    out, _ = sr.generate(params, batch, st.replace(expected=e(x)), seed=7)
+    assert out.report.nodes == nodes and out.report.compile_seconds == 0.0
+    assert (np.asarray(out.tokens) == np.asarray(van.tokens)).all()
+
+
+def test_heads_learned_from_nothing(setup):
+  """``init("learn")``: fresh root-conditioned heads (identity at init) that the slow path's
+  learning phase fits; refused without one, and a key only goes with it."""
+  config, params, tok, heads, sr, prompts = setup
+  learn = dataclasses.replace(sr, slow=SlowPathConfig.for_tests(bootstrap_batches=2))
+  st = learn.init("learn", key=jax.random.key(3))
+  hd = st.adaptation.heads
+  assert isinstance(hd, CH.CondHeads) and hd.num_heads == 3 and not np.asarray(hd.w_o).any()
+  assert int(st.adaptation.slow.monitor.learning) == 1
+  with pytest.raises(ValueError, match="learning phase"):
+    sr.init("learn")  # the slow path is off
+  with pytest.raises(ValueError, match="heads must be heads, None or 'learn'"):
+    learn.init("fit")
+  with pytest.raises(ValueError, match="key is for init"):
+    learn.init(heads, key=jax.random.key(0))
 
 
 def test_bad_input(setup):

@@ -70,7 +70,7 @@ class StepMetrics:
   ratio_mean, clip_fraction, logp_gap_mean / max (rollout vs trainer logprobs: 0 when they
   agree), rollout_kl, entropy, grad_norm. Seconds: rollout (the adaptation's host work apart),
   adaptation, reward, train, step (all of it). SpecRoll's own (None otherwise): probe_tau, mode,
-  safety, reflex, probe_seconds, compile_seconds, slow. eval_accuracy: the held-out greedy
+  safety, reflex, probe_seconds, compile_seconds, slow, events. eval_accuracy: the held-out greedy
   accuracy when the step evaluated."""
 
   step: int
@@ -106,6 +106,7 @@ class StepMetrics:
   probe_seconds: float | None = None
   compile_seconds: float | None = None
   slow: SlowReport | None = None
+  events: tuple[str, ...] = ()
   eval_accuracy: float | None = None
 
   def to_dict(self) -> dict:
@@ -116,7 +117,7 @@ class StepMetrics:
   def from_dict(cls, d: dict) -> StepMetrics:
     """The record of a JSON line (``to_dict``'s inverse)."""
     d = dict(d)
-    for k in ("head_acceptance", "nodes", "safety"):
+    for k in ("head_acceptance", "nodes", "safety", "events"):
       d[k] = tuple(d.get(k) or ())
     if d.get("slow") is not None:
       s = dict(d["slow"])
@@ -296,7 +297,7 @@ class GRPOTrainer:
                    nodes=tuple(report.nodes), head_acceptance=tuple(report.depth_acceptance),
                    safety=tuple(report.safety), reflex=report.reflex,
                    probe_seconds=report.probe_seconds, compile_seconds=report.compile_seconds,
-                   slow=report.slow)
+                   slow=report.slow, events=tuple(report.events))
     metrics = StepMetrics(**{
         "step": state.step, "rollout": run.rollout, "reward_mean": float(rewards.mean()),
         "accuracy": float(correct.mean()),

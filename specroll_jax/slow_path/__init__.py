@@ -46,6 +46,7 @@ from specroll_jax.heads import Heads
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.records import Records
 from specroll_jax.slow_path.config import (
+  _R,
   MODES,
   REASONS,
   SELECTIONS,
@@ -129,6 +130,40 @@ def _placed_like(new, old):
   return jax.tree.map(place, new, old)
 
 
+_LEARN = tuple(_R[k] for k in ("bootstrap", "learning", "collapse"))
+
+
+def refresh_gain(r: RefreshResult) -> float:
+  """A refresh's relative held-out TV drop, averaged over the heads it trained (a rolled-back
+  head counts 0; NaN-free): what decides whether learning goes on."""
+  trained, keep = np.asarray(r.trained, bool), np.asarray(r.keep, bool)
+  if not trained.any():
+    return 0.0
+  before, after = np.asarray(r.before.tv, np.float64), np.asarray(r.after.tv, np.float64)
+  ok = trained & keep & np.isfinite(before) & np.isfinite(after) & (before > 0)
+  gain = np.where(ok, 1.0 - after / np.where(ok, before, 1.0), 0.0)
+  return float(gain[trained].mean())
+
+
+def _learn_after(cfg: SlowPathConfig, m: MonitorState, reason: int, steps: int,
+                 gain: float) -> MonitorState:
+  """The learning phase after a refresh of ``steps`` steps whose decision was ``reason`` and
+  whose held-out gain was ``gain`` (host numbers): a phase goes on for its first refreshes
+  (``bootstrap_batches`` in the first phase, 1 in later ones) and then while refits pay
+  (``learn_gain``); a refresh after sustained degradation that pays starts a new phase."""
+  n = int(m.learn_refreshes) + 1
+  learning, phases, count = int(m.learning), int(m.phases), int(m.learn_refreshes)
+  pays = cfg.learn_gain > 0 and gain >= cfg.learn_gain
+  if reason in _LEARN:
+    least = cfg.bootstrap_batches if phases == 1 and reason != _R["collapse"] else 1
+    learning, count = int(n < least or pays), n
+  elif reason == _R["sustained_degradation"] and pays:  # a task shift, a drifting policy
+    learning, phases, count = 1, phases + 1, 0
+  i32 = lambda v: jnp.asarray(np.int32(v))
+  return m.replace(learning=i32(learning), phases=i32(phases), learn_refreshes=i32(count),
+                   last_refresh_steps=i32(steps))
+
+
 def _commit(state: SlowPathState, r: RefreshResult, seconds: float) -> SlowPathState:
   """The refresh's counters and seconds into the state, on the host (``r``: the refresh's result
   fetched with ``jax.device_get``): a handful of scalars, so no program to compile inside the
@@ -185,7 +220,9 @@ class BatchReport:
   the signal's z-score, the batch's mean signal (``tv``: the configured signal's value), the
   acceptance and the records merged; the heads refreshed, kept and rolled back, their held-out CE
   and TV before and after; refresh_seconds (the run's wall-clock) and compile_seconds (when this
-  call compiled the refresh program)."""
+  call compiled the refresh program); gain: the refresh's relative held-out TV drop
+  (``refresh_gain``; None without a refresh); learning: a learning phase goes on after this
+  batch (``SlowPathConfig.bootstrap_batches``, ``learn_gain``)."""
 
   batch: int
   mode: str
@@ -205,6 +242,8 @@ class BatchReport:
   tv_after: tuple[float, ...] = ()
   refresh_seconds: float = 0.0
   compile_seconds: float = 0.0
+  gain: float | None = None
+  learning: bool = False
 
   def to_dict(self) -> dict:
     """Plain values for a JSON line."""
@@ -237,7 +276,8 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   report = BatchReport(batch=int(jax.device_get(state.monitor.batches)), mode=cfg.mode,
                        signal=cfg.signal, decision=REASONS[int(d.reason)],
                        steps=int(d.steps) if d.refresh.any() else 0, z=fl(d.z), tv=fl(tv),
-                       acceptance=fl(acc), records=tuple(int(v) for v in n))
+                       acceptance=fl(acc), records=tuple(int(v) for v in n),
+                       learning=bool(int(state.monitor.learning)))
   if not d.refresh.any():
     return state, heads, report
   args = (params, heads, state.opt_state, state.reservoir, jnp.asarray(d.refresh),
@@ -247,7 +287,10 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   new_heads, opt_state, res = jax.block_until_ready(compiled(*args))
   seconds = time.perf_counter() - t0
   r = jax.device_get(res)
-  state = _placed_like(_commit(state.replace(opt_state=opt_state), r, seconds), state)
+  new = _commit(state.replace(opt_state=opt_state), r, seconds)
+  new = new.replace(monitor=_learn_after(cfg, new.monitor, int(d.reason), int(d.steps),
+                                         refresh_gain(r)))
+  state = _placed_like(new, state)
   new_heads = _placed_like(new_heads, heads)
   ks = tuple(int(k) for k in np.flatnonzero(r.trained))
   pick = lambda x: tuple(float(x[k]) for k in ks)
@@ -255,12 +298,14 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
       report, heads=ks, kept=tuple(k for k in ks if r.keep[k]),
       rolled_back=tuple(k for k in ks if not r.keep[k]), ce_before=pick(r.before.ce),
       ce_after=pick(r.after.ce), tv_before=pick(r.before.tv), tv_after=pick(r.after.tv),
-      refresh_seconds=seconds, compile_seconds=compile_s)
+      refresh_seconds=seconds, compile_seconds=compile_s, gain=refresh_gain(r),
+      learning=bool(int(state.monitor.learning)))
   return state, new_heads, report
 
 
 __all__ = ["MODES", "REASONS", "SELECTIONS", "SIGNALS", "VOCABS", "BatchReport", "Decision",
            "Evaluation", "MonitorState", "RefreshResult", "SlowPathConfig", "SlowPathState",
            "after_batch", "batch_stats", "evaluate", "holdout_slots", "init", "keep_rule",
+           "refresh_gain",
            "monitor_init", "monitor_update", "optimizer", "refresh", "refresh_compiles",
            "refresh_jit", "step_groups"]

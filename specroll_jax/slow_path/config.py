@@ -15,7 +15,7 @@ VOCABS = ("full", "support")
 # Why the monitor decided what it did (Decision.reason indexes this tuple).
 REASONS = ("off", "calibrating", "waiting", "healthy", "too_few_records", "degraded", "cooldown",
            "sustained_degradation", "scheduled", "schedule_wait", "over_budget", "every_batch",
-           "bootstrap")
+           "bootstrap", "learning", "collapse")
 _R = {name: i for i, name in enumerate(REASONS)}
 
 
@@ -64,8 +64,9 @@ class SlowPathConfig:
     machine, at the price of later refreshes where they cost more than the budget earns.
   refresh_steps: optimiser steps per refresh ("degradation", "every_batch"); each step is a full
     batch over the head's training records.
-  distill_weight, token_weight, proximal_weight: loss = distill * CE(p on S + tail bucket) +
-    token * CE(committed token) + proximal * KL(pre-refresh head || head) on S + tail bucket.
+  distill_weight, token_weight, proximal_weight, tv_weight: loss = distill * CE(p on S + tail
+    bucket) + token * CE(committed token) + proximal * KL(pre-refresh head || head) on S + tail
+    bucket + tv * sparse TV(p, head) on S (what coupled drafts are accepted by).
   learning_rate, b1, b2, eps, weight_decay, clip_norm: optax AdamW after clipping each head's
     gradient to global norm ``clip_norm``; every head has its own optimiser state (and step count).
     Weight decay applies to the heads' W and b, not to their norm scales.
@@ -80,11 +81,27 @@ class SlowPathConfig:
     at least the reservoir's chunks: every chunk, a full-batch step. Fewer: minibatch steps over
     fixed strided groups of chunks (step i takes group i mod G, each group spread over the ring,
     so over time), which divides a step's cost by about chunks / step_chunks.
-  bootstrap_batches: the first batches (any mode but "off") refresh every head that has new
-    records, each guarded as usual, before the monitor calibrates: heads brought from another
-    task or an earlier policy are fitted to this target first, where a baseline taken from them
-    would call their error normal. 0 (default): no bootstrap. The calibration window starts after
-    it. bootstrap_steps: optimiser steps of a bootstrap refresh (0: ``refresh_steps``).
+  bootstrap_batches: > 0 starts the run in a learning phase (any mode but "off"): every batch
+    with new records refreshes every head that has them, each refresh guarded as usual, before
+    the monitor calibrates: heads brought from another task, an earlier policy or a cold start
+    are fitted to this target first, where a baseline taken from them would call their error
+    normal. The phase runs ``bootstrap_batches`` refreshes and then, with ``learn_gain`` > 0, as
+    long as each refresh still lowers the heads' held-out sparse TV by at least ``learn_gain``
+    (relative): learning goes on while a refit pays. A batch without records (one whose rollout
+    verified no tree and ran no probe) neither refreshes nor ends the phase. The calibration
+    window starts when the phase ends. 0 (default): no bootstrap. bootstrap_steps: optimiser
+    steps of a learning refresh (0: ``refresh_steps``; with ``learn_budget``, the most).
+  learn_gain: the relative held-out TV drop (mean over the refreshed heads, a rolled-back head
+    counting 0) that keeps a learning phase going past its first refreshes, and that turns a
+    refresh after sustained degradation into a new learning phase (a task shift, a drifting
+    policy). 0: phases of exactly ``bootstrap_batches`` refreshes, no new phase.
+  learn_budget: a learning refresh's seconds at most this share of its batch's rollout seconds:
+    its steps are what fits at the last refresh's seconds per step (at least 1, at most
+    ``bootstrap_steps``); 0: ``bootstrap_steps`` every time.
+  collapse_acceptance: head 1's acceptance (its records' hit rate) below this, over at least
+    ``collapse_records`` records, is a collapse (heads of another model, a corrupted head file,
+    stale heads after a large policy step): every head with records refreshes at once (reason
+    "collapse") and a learning phase starts, whatever the monitor's windows say. 0: off.
   refresh_vocab: the vocabulary the refresh's training steps read. "full" (default): the head's
     softmax over all V tokens (the support's ids plus a tail bucket for the rest). "support":
     the head's softmax over each record's support S alone (at most 2 top + 1 + C ids; the
@@ -120,6 +137,7 @@ class SlowPathConfig:
   distill_weight: float = 0.7
   token_weight: float = 0.3
   proximal_weight: float = 0.1
+  tv_weight: float = 0.0
   learning_rate: float = 1e-5
   b1: float = 0.9
   b2: float = 0.999
@@ -135,6 +153,10 @@ class SlowPathConfig:
   refresh_vocab: str = "full"
   bootstrap_batches: int = 0
   bootstrap_steps: int = 0
+  learn_gain: float = 0.0
+  learn_budget: float = 0.0
+  collapse_acceptance: float = 0.0
+  collapse_records: int = 64
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -153,15 +175,18 @@ class SlowPathConfig:
                  "scheduled_min_batches", "scheduled_steps", "refresh_steps", "chunk_size"):
       check_int(self, name, 1)
     for name in ("min_records", "cooldown_batches", "scheduled_min_records", "step_chunks",
-                 "bootstrap_batches", "bootstrap_steps"):
+                 "bootstrap_batches", "bootstrap_steps", "collapse_records"):
       check_int(self, name, 0)
+    check_float(self, "learn_gain", 0.0, 1.0)
+    check_float(self, "learn_budget", 0.0)
+    check_float(self, "collapse_acceptance", 0.0, 1.0)
     check_float(self, "mad_scale", 0.0, lo_open=True)
     check_float(self, "min_scale", 0.0, lo_open=True)
     check_float(self, "z_threshold", -math.inf)
     check_float(self, "acceptance_drop", -1.0, 1.0)
     check_float(self, "time_budget", 0.0)
     check_float(self, "degradation_budget", 0.0)
-    for name in ("distill_weight", "token_weight", "proximal_weight", "weight_decay",
+    for name in ("distill_weight", "token_weight", "proximal_weight", "tv_weight", "weight_decay",
                  "temperature"):
       check_float(self, name, 0.0)
     if self.distill_weight + self.token_weight == 0:
@@ -210,17 +235,20 @@ class SlowPathConfig:
 
   @classmethod
   def for_model(cls, config, **kw) -> SlowPathConfig:
-    """The slow path for a model of ``config``'s size, as ``SpecRoll`` runs it: heads brought
-    from elsewhere are fitted to the target in a bootstrap of 10 batches (20 optimiser steps
-    each), then refreshed on sustained degradation. :meth:`for_small_models` for a model of
-    hidden size below 512 (the embedded one), the defaults (sized for 1.5B-parameter heads)
-    otherwise."""
+    """The slow path for a model of ``config``'s size, as ``SpecRoll`` runs it: the heads learn
+    from the start (brought from elsewhere, or fresh) in a learning phase of at least 2
+    refreshes that goes on while each refit lowers the held-out TV by 1% or more, each refresh
+    within 5% of its batch's rollout seconds (at most 20 steps); then refreshed on sustained
+    degradation, a refresh that pays 1% starting a new phase; head 1's acceptance below 0.02 is
+    a collapse that refits at once. :meth:`for_small_models` for a model of hidden size below
+    512 (the embedded one), the defaults (sized for 1.5B-parameter heads) otherwise."""
     return cls.for_hidden_size(config.hidden_size, **kw)
 
   @classmethod
   def for_hidden_size(cls, hidden_size: int, **kw) -> SlowPathConfig:
     """:meth:`for_model` of a model whose hidden size is ``hidden_size``."""
-    base = dict(bootstrap_batches=10, bootstrap_steps=20)
+    base = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.01, learn_budget=0.05,
+                collapse_acceptance=0.02)
     base.update(kw)
     if hidden_size < 512:
       return cls.for_small_models(**base)
@@ -238,6 +266,7 @@ class SlowPathConfig:
 
 # The fields ``refresh`` reads (everything else is the monitor's).
 _REFRESH_FIELDS = ("holdout_fraction", "distill_weight", "token_weight", "proximal_weight",
+                   "tv_weight",
                    "learning_rate", "b1", "b2", "eps", "weight_decay", "clip_norm",
                    "keep_ce_ratio", "guard", "temperature", "use_correction", "chunk_size",
                    "step_chunks", "refresh_vocab")

@@ -22,7 +22,11 @@ def monitor_init(cfg: SlowPathConfig, num_heads: int) -> MonitorState:
       acc_baseline=nan, window_tv=zeros, window_n=zeros, window_acc=zeros, window_acc_n=zeros,
       consecutive=jnp.zeros((k,), jnp.int32), z=nan, cooldown=scalar(jnp.int32),
       last_update=scalar(jnp.int32), since_tv=zeros, since_n=zeros, rollout_seconds=scalar(f32),
-      refresh_seconds=scalar(f32), last_refresh_seconds=scalar(f32))
+      refresh_seconds=scalar(f32), last_refresh_seconds=scalar(f32),
+      last_refresh_steps=scalar(jnp.int32),
+      learning=jnp.int32(1 if cfg.bootstrap_batches > 0 and cfg.mode != "off" else 0),
+      learn_refreshes=scalar(jnp.int32), learn_end=scalar(jnp.int32),
+      phases=jnp.int32(1 if cfg.bootstrap_batches > 0 and cfg.mode != "off" else 0))
 
 
 
@@ -51,8 +55,15 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
   acc0 = jnp.where(acc_known, acceptance, 0.0)
   nb = cfg.calibration_batches
   b = m.batches + 1  # batches observed, this one included
-  booting = b <= cfg.bootstrap_batches  # the heads are fitted to the target first
-  bc = b - cfg.bootstrap_batches  # batches since the bootstrap: the calibration's clock
+  # a collapse: head 1's acceptance near nothing over enough records (refit now, then learn)
+  collapsed = jnp.bool_(False)
+  if cfg.collapse_acceptance > 0 and cfg.mode != "off":
+    collapsed = (acc_known[0] & (acceptance[0] < cfg.collapse_acceptance)
+                 & (records[0] >= cfg.collapse_records))
+  enter = collapsed & (m.learning == 0)  # a collapse starts a new learning phase
+  booting = (m.learning > 0) | collapsed  # a learning phase: the heads are fitted to the target
+  learn_end = jnp.where(booting, b, m.learn_end)
+  bc = b - learn_end  # batches since the learning phase: the calibration's clock
   calibrating = bc <= nb
   row = jnp.clip(bc - 1, 0, nb - 1)
   record = calibrating & ~booting
@@ -126,10 +137,21 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
     consecutive = jnp.where(refresh, 0, consecutive)
     cooldown = jnp.where(refresh.any(), cfg.cooldown_batches, cooldown)
 
-  if cfg.bootstrap_batches > 0 and cfg.mode != "off":  # every head with records, each batch
+  if cfg.mode != "off":  # a learning phase: every head with records, each batch
     refresh = jnp.where(booting, since_n > 0, refresh)
-    reason = jnp.where(booting, _R["bootstrap"], reason).astype(jnp.int32)
-    steps = jnp.where(booting, cfg.bootstrap_steps or cfg.refresh_steps, steps)
+    first = (m.phases == 1) & (m.learn_refreshes < cfg.bootstrap_batches) & ~enter
+    learn_reason = jnp.where(enter, _R["collapse"],
+                             jnp.where(first, _R["bootstrap"], _R["learning"]))
+    reason = jnp.where(booting, learn_reason, reason).astype(jnp.int32)
+    most = cfg.bootstrap_steps or cfg.refresh_steps
+    learn_steps = jnp.int32(most)
+    if cfg.learn_budget > 0:  # what fits in the budget at the last refresh's seconds per step
+      per_step = m.last_refresh_seconds / jnp.maximum(m.last_refresh_steps, 1)
+      fit = jnp.floor(cfg.learn_budget * jnp.asarray(rollout_seconds, f32)
+                      / jnp.maximum(per_step, 1e-9))
+      learn_steps = jnp.where(m.last_refresh_steps > 0, jnp.clip(fit, 1, most),
+                              1).astype(jnp.int32)
+    steps = jnp.where(booting, learn_steps, steps)
   fired = refresh.any()
   monitor = MonitorState(
       batches=b, calib_tv=calib_tv, calib_acc=calib_acc, tv_median=tv_median, tv_mad=tv_mad,
@@ -139,7 +161,11 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
       last_update=jnp.where(fired, b, m.last_update).astype(jnp.int32),
       since_tv=jnp.where(fired, 0.0, since_tv), since_n=jnp.where(fired, 0.0, since_n),
       rollout_seconds=rollout_total, refresh_seconds=m.refresh_seconds,
-      last_refresh_seconds=m.last_refresh_seconds)
+      last_refresh_seconds=m.last_refresh_seconds, last_refresh_steps=m.last_refresh_steps,
+      learning=jnp.where(booting, 1, m.learning).astype(jnp.int32),
+      learn_refreshes=jnp.where(enter, 0, m.learn_refreshes).astype(jnp.int32),
+      learn_end=learn_end.astype(jnp.int32),
+      phases=(m.phases + enter).astype(jnp.int32))
   return monitor, Decision(refresh=refresh, steps=jnp.asarray(steps, jnp.int32), reason=reason,
                            checked=checked, degraded=degraded, z=z)
 

@@ -245,11 +245,13 @@ def refresh(cfg: SlowPathConfig, model_config: ModelConfig, params, heads: Heads
 
   def chunk_loss(hd, rec, w, lo_s, lo_tail, weight):
     lq_s, lq_tail, lq_tok = _log_probs(cfg, model_config, params, hd, rec, trained, sparse)
-    ce, _, tok = _terms(_sparse_records(rec, sparse), lq_s, lq_tail, lq_tok)
+    ce, tv, tok = _terms(_sparse_records(rec, sparse), lq_s, lq_tail, lq_tok)
     used = rec.support >= 0
     kl = (jnp.where(used, jnp.exp(lo_s) * (lo_s - lq_s), 0.0).sum(-1)
           + jnp.exp(lo_tail) * (lo_tail - lq_tail))
     per = cfg.distill_weight * ce + cfg.token_weight * tok + cfg.proximal_weight * kl
+    if cfg.tv_weight > 0:
+      per = per + cfg.tv_weight * tv
     per_head = (per * w).sum(1) * weight  # [K]
     return per_head.sum(), per_head
 

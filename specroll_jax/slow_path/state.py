@@ -31,6 +31,12 @@ class MonitorState:
   rollout_seconds: Float[Array, ""]  # cumulative rollout wall-clock
   refresh_seconds: Float[Array, ""]  # cumulative refresh wall-clock (compilation excluded)
   last_refresh_seconds: Float[Array, ""]  # the latest refresh's wall-clock
+  last_refresh_steps: Int[Array, ""]  # ... and its optimiser steps
+  learning: Int[Array, ""]  # 1 in a learning phase (SlowPathConfig.bootstrap_batches)
+  learn_refreshes: Int[Array, ""]  # refreshes of the current (or last) learning phase
+  phases: Int[Array, ""]  # learning phases begun (the first is the bootstrap)
+  learn_end: Int[Array, ""]  # ``batches`` when the last learning phase ended (the calibration's
+  #                           clock starts there)
 
 
 @flax.struct.dataclass
