@@ -34,12 +34,14 @@ class SpecRollReport:
   engine ran (its buckets of the batch, or the probe's one; (0,) for a vanilla batch). tau:
   committed tokens per row-forward over the batch (1.0 for vanilla rows).
   probe_tau / depth_acceptance: tau and accepted / proposed per depth of the rows that verified
-  trees (None / () when none did). expected: accepted nodes per row-step with the best n nodes,
-  after this batch (what goodput weighs). reflex: "awake", "asleep", "idle" (no tree this batch)
-  or "off"; safety: Reflex's global safety per head. slow: the slow path's report (None: off).
-  records: slow-path records drawn per head. rollout_seconds: the rollout's wall-clock (the
-  probe's included), probe_seconds: the probe's share, host_seconds: the host work after it,
-  compile_seconds: programs compiled by this call (warm-up), never part of the other figures.
+  trees (None / () when none did); where only some buckets verified trees, tau over their
+  forwards alone (``specroll_fold.tree_tau``). expected: accepted nodes per row-step with the
+  best n nodes, after this batch (what goodput weighs). reflex: "awake", "asleep", "idle" (no
+  tree this batch) or "off"; safety: Reflex's global safety per head. slow: the slow path's
+  report (None: off). records: slow-path records drawn per head. rollout_seconds: the rollout's
+  wall-clock (the probe's included), probe_seconds: the probe's share, host_seconds: the host
+  work after it, compile_seconds: programs compiled by this call (warm-up), never part of the
+  other figures.
   choice: goodput's reasoning per bucket. events: what changed that a person should see, in
   words: a collapse of the heads' acceptance (the slow path refits them), a learning phase
   that starts or ends.

@@ -35,6 +35,9 @@ class SpecStats:
   active_trace: Int[Array, " F"]  # active rows at verify forward f (f < target_forwards; 0 after)
   bucket_forwards: Int[Array, " S"]  # verify forwards run in each (rows, N) bucket
   skipped: Int[Array, ""] = 0  # gated steps (``SpecConfig.gate``) that ran the plain decode step
+  bucket_row_forwards: Int[Array, " S"] | None = None  # active rows summed over each bucket's
+  #                                                      forwards
+  bucket_tokens: Int[Array, " S"] | None = None  # tokens committed in each bucket
   proposer: PyTree | None = None  # the proposer's own statistics (``Proposer.update``), summed
 
 

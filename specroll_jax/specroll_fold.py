@@ -97,10 +97,11 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
   if plan.mode != "vanilla":
     rows = plan.probe_rows if plan.mode == "probe" else len(batch)
     nodes = tuple(n for _, n in plan.spec.bucket_shapes(rows, plan.proposer.capacity))
+  if plan.mode == "speculative":
+    probe_tau = tau(out) if all(nodes) else tree_tau(out, nodes)
   report = SpecRollReport(
       batch=int(state.batches), mode=plan.mode, nodes=nodes,
-      tau=tau(out), probe_tau=None if probe_tau is None else float(
-          tau(out) if plan.mode == "speculative" else probe_tau), depth_acceptance=acc,
+      tau=tau(out), probe_tau=probe_tau, depth_acceptance=acc,
       expected=tuple(float(x) for x in np.asarray(expected)), reflex=plan.reflex,
       safety=safety, slow=slow, records=counts, rollout_seconds=float(seconds),
       probe_seconds=float(probe_seconds), host_seconds=time.perf_counter() - t0,
@@ -121,19 +122,26 @@ def slow_events(slow: SlowReport, was_learning: bool) -> list[str]:
     events.append("learning phase ends" + gain)
   return events
 
+def draw_records(sr, params, adapt, batch, hidden, tokens, lengths, seed):
+  """``records_per_batch`` records of the slow path from a rollout of the batch's first rows
+  (``hidden`` [R, M, D], its ``tokens`` and ``lengths``): ``trainer_records.from_hidden`` with
+  the candidates coupled as the tree ranks them (``params``: the decoder's)."""
+  rows = tokens.shape[0]
+  key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
+  return _trainer_records.from_hidden(
+      adapt.config.reflex, sr.config, params, adapt.heads, hidden, tokens, lengths,
+      jnp.asarray(batch.lengths[:rows]), sampling=sr.sampling, key=key,
+      num_anchors=sr.records_per_batch, seed=seed, sample_ids=batch.sample_ids[:rows])
+
+
 def slow_path(sr, params, adapt, batch, out, seconds, seed):
   """Records drawn from the anchor hidden states of ``out`` (the rollout of the batch's first
   rows that verified trees: all of them, or a probe's; every process's), then the slow path's
   monitor and refresh (``slow_path.after_batch``); each head's acceptance is its records' hit
   rate (the committed token among its coupled candidates), whatever the tree proposed."""
   cfg = adapt.config
-  key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
   params = sr.decoder_params(params)
-  rows = out.tokens.shape[0]
-  recs = _trainer_records.from_hidden(
-      cfg.reflex, sr.config, params, adapt.heads, out.hidden, out.tokens, out.lengths,
-      jnp.asarray(batch.lengths[:rows]), sampling=sr.sampling, key=key,
-      num_anchors=sr.records_per_batch, seed=seed, sample_ids=batch.sample_ids[:rows])
+  recs = draw_records(sr, params, adapt, batch, out.hidden, out.tokens, out.lengths, seed)
   if jax.process_count() > 1:
     recs = jax.tree.map(lambda x: jnp.asarray(
         distributed.all_sum(x) if x.ndim == 1 else distributed.all_concat(x, 1)), recs)
@@ -152,6 +160,18 @@ def slow_path(sr, params, adapt, batch, out, seconds, seed):
                       compile_seconds=rep.compile_seconds, gain=rep.gain,
                       learning=rep.learning, acceptance=float(np.nan_to_num(acc[0])))
   return adapt.replace(slow=slow, heads=heads), report, rep.records
+
+
+def tree_tau(out: Rollout, nodes) -> float | None:
+  """Committed tokens per row-forward in the buckets that verified trees (``nodes``: each
+  bucket's nodes per row), over every process's rows; None when none did."""
+  sp = out.stats.spec
+  on = np.asarray(nodes) > 0
+  if sp is None or sp.bucket_tokens is None or not on.any():
+    return None
+  tok = np.asarray(distributed.all_sum(sp.bucket_tokens), np.float64)[on].sum()
+  rf = np.asarray(distributed.all_sum(sp.bucket_row_forwards), np.float64)[on].sum()
+  return float(tok / rf) if rf > 0 else None
 
 
 def tau(out: Rollout) -> float:
@@ -175,4 +195,4 @@ def check_same(state: SpecRollState) -> None:
 
 
 
-__all__ = ["check_same", "fold", "slow_path", "tau"]
+__all__ = ["check_same", "draw_records", "fold", "slow_path", "tau", "tree_tau"]

@@ -65,6 +65,8 @@ class Counters:
   nodes_verified: Int[Array, ""]
   active_trace: Int[Array, " F"]  # active rows at forward f
   bucket_forwards: Int[Array, " S"]  # forwards run in bucket s
+  bucket_row_forwards: Int[Array, " S"]  # active rows summed over bucket s's forwards
+  bucket_tokens: Int[Array, " S"]  # tokens committed in bucket s
   skipped: Int[Array, ""]  # gated steps that ran the plain decode step instead of the tree
   proposer: Any  # the proposer's statistics, summed
 
@@ -112,6 +114,8 @@ def init_state(config, params, proposer: Proposer, proposer_params, prompt_token
       nodes_verified=jnp.int32(0),
       active_trace=jnp.zeros((settings.max_new_tokens + 1,), jnp.int32),
       bucket_forwards=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
+      bucket_row_forwards=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
+      bucket_tokens=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
       skipped=jnp.int32(0),
       proposer=proposer.init_stats())
   state = SpecState(slots=slots, out=st.out, counters=counters, shared=pshared)
@@ -295,6 +299,8 @@ def spec_step(config, params, proposer: Proposer, proposer_params, s: SpecState,
           jnp.int32),
       active_trace=ct.active_trace.at[ct.forwards].add(n_active, mode="drop"),
       bucket_forwards=ct.bucket_forwards.at[bucket].add(1),
+      bucket_row_forwards=ct.bucket_row_forwards.at[bucket].add(n_active),
+      bucket_tokens=ct.bucket_tokens.at[bucket].add(em.keep.sum().astype(jnp.int32)),
       skipped=ct.skipped + skipped,
       proposer=jax.tree.map(jnp.add, ct.proposer, pstats))
   return SpecState(slots=slots, out=em.out, counters=counters, shared=pshared)
@@ -345,7 +351,8 @@ def finish(state: SpecState, settings: DecodeSettings) -> Rollout:
   spec_stats = SpecStats(depth_proposed=ct.depth_proposed, depth_accepted=ct.depth_accepted,
                          nodes_verified=ct.nodes_verified, active_trace=ct.active_trace,
                          bucket_forwards=ct.bucket_forwards, skipped=ct.skipped,
-                         proposer=ct.proposer)
+                         bucket_row_forwards=ct.bucket_row_forwards,
+                         bucket_tokens=ct.bucket_tokens, proposer=ct.proposer)
   stats = RolloutStats(target_forwards=ct.forwards, row_forwards=ct.row_forwards,
                        tokens=out.lengths.sum(), nonfinite=out.nonfinite, spec=spec_stats)
   return Rollout(tokens=tokens, lengths=out.lengths, logprobs=logprobs, stats=stats,

@@ -139,6 +139,23 @@ def test_no_compile_after_the_first_batch_whatever_goodput_chooses(setup):
     assert (np.asarray(out.tokens) == np.asarray(van.tokens)).all()
 
 
+def test_a_collapse_is_named_and_refits(setup):
+  """Head 1 accepting (almost) nothing of its records is a collapse: the report names it in its
+  events and the slow path refits every head and starts learning (here: weak random heads and a
+  threshold they cannot reach)."""
+  config, params, tok, heads, sr, prompts = setup
+  sr = dataclasses.replace(sr, reflex=None, slow=SlowPathConfig.for_tests(
+      collapse_acceptance=0.9, collapse_records=4, refresh_vocab="support"), records_per_batch=64)
+  batch = sr.batch(prompts, np.array([0, 1]))
+  out, st = sr.generate(params, batch, sr.init(heads), seed=2)
+  rep = out.report
+  assert rep.slow.decision == "collapse" and rep.slow.heads == (0, 1, 2), rep.slow
+  assert rep.slow.acceptance < 0.9
+  assert rep.slow.learning == bool(int(st.adaptation.slow.monitor.learning))
+  assert rep.events and rep.events[0].startswith("collapse: head 1 accepted")
+  assert int(st.adaptation.slow.monitor.phases) == 1
+
+
 def test_heads_learned_from_nothing(setup):
   """``init("learn")``: fresh root-conditioned heads (identity at init) that the slow path's
   learning phase fits; refused without one, and a key only goes with it."""
