@@ -19,8 +19,9 @@ acceptance.
 
 Part "object": ``SpecRoll`` with the shipped heads, a fresh state, a fixed --nodes nodes per row
 in every bucket, coupled and not (``RankedHeads(coupled=...)``): tau of its first batch on GSM8K
-train prompts from --offset (T = 1, 0.7, 0) and on the synthetic test problems (T = 1); every
-row checks the vanilla engine's tokens. Writes JSON and a PNG.
+train prompts from --offset (T = 1, 0.7, 0) and on the synthetic test problems (T = 1), and with
+the heads fitted on GSM8K (--object-tv-weight) at T = 1; every row checks the vanilla engine's
+tokens. Writes JSON and a PNG.
 """
 
 from __future__ import annotations
@@ -133,10 +134,13 @@ def part_loss(a, config, params, tok, shipped):
 
 def part_object(a, config, params, tok, shipped):
   rows = []
-  cases = [("gsm8k", t) for t in a.temperatures] + [("synthetic", 1.0)]
-  for task, t in cases:
+  cases = [("gsm8k", t, "shipped") for t in a.temperatures] + [("synthetic", 1.0, "shipped")]
+  cases += [("gsm8k", 1.0, "fitted on gsm8k")]
+  for task, t, heads_name in cases:
     if task not in a.tasks:
       continue
+    heads = shipped if heads_name == "shipped" else fitted(a, config, params, tok, shipped,
+                                                           task, a.object_tv_weight)
     m = 256 if task == "gsm8k" else 48
     m = min(m, a.object_tokens)
     ids = task_prompts(tok, task, a.prompts, a.offset)
@@ -155,13 +159,15 @@ def part_object(a, config, params, tok, shipped):
                                  sample_ids=batch.sample_ids, seed=a.seed, eos_ids=sr.eos_ids,
                                  options=rollout.DecodeOptions(
                                      cache_length=batch.rows.cache_length))
-        out, _ = sr.generate(params, batch, sr.init(shipped), seed=a.seed)
+        out, _ = sr.generate(params, batch, sr.init(heads), seed=a.seed)
         same = bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all())
-        row = {"task": task, "T": t, "nodes": nodes, "coupled": coupled, "tau": out.report.tau,
-               "depth_acceptance": list(out.report.depth_acceptance), "identical": same}
+        row = {"task": task, "T": t, "heads": heads_name, "nodes": nodes, "coupled": coupled,
+               "tau": out.report.tau, "depth_acceptance": list(out.report.depth_acceptance),
+               "identical": same}
         rows.append(row)
-        print(f"  {task} T={t} {nodes} nodes {'coupled' if coupled else 'deterministic'}: "
-              f"tau {row['tau']:.3f} identical {same}", flush=True)
+        print(f"  {task} T={t} {heads_name} {nodes} nodes "
+              f"{'coupled' if coupled else 'deterministic'}: tau {row['tau']:.3f} identical "
+              f"{same}", flush=True)
   return rows
 
 
@@ -182,11 +188,13 @@ def main(argv=None):
   ap.add_argument("--nodes", type=int, nargs="+", default=[4, 1])
   ap.add_argument("--object-tokens", type=int, default=256,
                   help="new tokens of the object's GSM8K batch")
+  ap.add_argument("--object-tv-weight", type=float, default=0.0,
+                  help="the TV weight of the GSM8K-fitted heads the object row runs")
   ap.add_argument("--quick", action="store_true",
                   help="CI-sized: 2 prompts x 4, 16 tokens, tiny fits, T = 1 and 0")
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, temperatures=0.0, offset=0, fit_prompts=1, fit_steps=1,
-                             tv_weights=0.0, nodes=1, object_tokens=1)
+                             tv_weights=0.0, nodes=1, object_tokens=1, object_tv_weight=0.0)
   if a.quick:
     a.prompts, a.group, a.max_new_tokens, a.object_tokens = 2, 4, 16, 16
     a.fit_prompts, a.fit_steps, a.temperatures, a.nodes = 8, 5, [1.0, 0.0], [4]
@@ -237,11 +245,11 @@ def _print(res):
                 f3(r["chain_tau4"]))
     con.print(t)
   if "object" in res:
-    t = Table(title="SpecRoll, shipped heads, fresh state, fixed nodes per row: first batch")
-    for c in ("task", "T", "nodes", "ranking", "tau", "depth acceptance", "tokens"):
+    t = Table(title="SpecRoll, fresh state, fixed nodes per row: its first batch")
+    for c in ("task", "T", "heads", "nodes", "ranking", "tau", "depth acceptance", "tokens"):
       t.add_column(c)
     for r in res["object"]:
-      t.add_row(r["task"], str(r["T"]), str(r["nodes"]),
+      t.add_row(r["task"], str(r["T"]), r["heads"], str(r["nodes"]),
                 "coupled" if r["coupled"] else "deterministic", f3(r["tau"]),
                 " / ".join(map(f3, r["depth_acceptance"][:3])),
                 "identical" if r["identical"] else "DIFFER")
@@ -268,14 +276,15 @@ def _plot(res, path):
     ax[0].set_xlabel("teacher-forced chain tau, 4 candidates per depth")
     ax[0].legend(fontsize=7)
   if "object" in res:
-    labels = sorted({(r["task"], r["T"], r["nodes"]) for r in res["object"]},
-                    key=lambda x: (x[0], -x[1], -x[2]))
-    tau = {(r["task"], r["T"], r["nodes"], r["coupled"]): r["tau"] for r in res["object"]}
+    labels = sorted({(r["task"], r["T"], r["heads"], r["nodes"]) for r in res["object"]},
+                    key=lambda x: (x[0], -x[1], x[2], -x[3]))
+    tau = {(r["task"], r["T"], r["heads"], r["nodes"], r["coupled"]): r["tau"]
+           for r in res["object"]}
     y = np.arange(len(labels))
     for c in (False, True):
       ax[1].barh(y + (0.2 if c else -0.2), [tau[k + (c,)] for k in labels], 0.4,
                  label="coupled" if c else "deterministic")
-    ax[1].set_yticks(y, [f"{k[0]} T={k[1]}, {k[2]} nodes" for k in labels], fontsize=7)
+    ax[1].set_yticks(y, [f"{k[0]} T={k[1]} {k[2]}, {k[3]} nodes" for k in labels], fontsize=7)
     ax[1].set_xlabel("tau, SpecRoll's first batch (fresh state)")
     ax[1].legend(fontsize=7)
   fig.tight_layout()

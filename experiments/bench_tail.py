@@ -7,7 +7,11 @@ The embedded model widened into a Qwen2.5 shape (``models.widen``: the embedded 
 acceptance at the real shape's weight bytes and FLOPs per token), its root-conditioned heads widened
 with it. For each row count R (one synthetic test prompt x R samples: the rows a batch's tail
 keeps) the vanilla engine and the speculative engine (``Merged``: root-conditioned heads + group
-lookup, one bucket) with each of --nodes nodes per row, at --temperature. Each engine runs once to
+lookup, one bucket) with each of --nodes nodes per row, its heads ranking coupled to the target's
+noise and not (--ranking), at --temperature; with --specroll also the ``SpecRoll`` object with its
+defaults (goodput choosing the nodes from this machine's cost; after --specroll-warmup batches of
+the same prompt at other seeds), timed per ``generate`` call (host work included). Each engine
+runs once to
 compile; then --rounds rounds call every engine in turn (the same machine state for all) and each
 engine's median is reported. The prefill is timed apart (a one-token rollout of the same prompts)
 and taken out: ms per step = (seconds - prefill) / steps. The table gives tau, steps, ms per step
@@ -30,6 +34,7 @@ from specroll_jax import cli, models, pipeline, rollout
 from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k, tasks
 from specroll_jax.proposers import GroupLookup, Merged, RankedHeads
+from specroll_jax.specroll import SpecRoll
 
 
 def _call(fn):
@@ -48,18 +53,40 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
   kw = dict(prompt_lengths=pb.lengths, sample_ids=sids, seed=a.seed, eos_ids=tok.eos_ids,
             sampling=rollout.SamplingConfig(temperature=a.temperature),
             options=rollout.DecodeOptions(cache_length=pb.cache_length))
-  mg = Merged(heads=RankedHeads(max_nodes=8), lookup=GroupLookup(group_size=rows), max_nodes=8)
-  pp = mg.params(heads)
   fns = {"prefill": lambda: rollout.generate(config, params, pb.tokens, max_new_tokens=1, **kw),
          "vanilla": lambda: rollout.generate(config, params, pb.tokens,
                                              max_new_tokens=a.max_new_tokens, **kw)}
-  for n in a.nodes:
-    sp = rollout.Speculation(mg, pp, SpecConfig(bucket_fractions=(1.0,), nodes=(n,)))
-    fns[f"{n} nodes"] = lambda sp=sp: rollout.generate(config, params, pb.tokens, speculation=sp,
-                                                       max_new_tokens=a.max_new_tokens, **kw)
+  for ranking in a.ranking:
+    mg = Merged(heads=RankedHeads(max_nodes=8, coupled=ranking == "coupled"),
+                lookup=GroupLookup(group_size=rows), max_nodes=8)
+    pp = mg.params(heads)
+    for n in a.nodes:
+      sp = rollout.Speculation(mg, pp, SpecConfig(bucket_fractions=(1.0,), nodes=(n,)))
+      name = f"{n} nodes" + ("" if len(a.ranking) == 1 else f", {ranking}")
+      fns[name] = lambda sp=sp: rollout.generate(config, params, pb.tokens, speculation=sp,
+                                                 max_new_tokens=a.max_new_tokens, **kw)
+  choice = None
+  if a.specroll:  # the object with its defaults (goodput choosing the nodes), warm and calibrated
+    sr = SpecRoll(config, sampling=kw["sampling"], group_size=rows,
+                  max_new_tokens=a.max_new_tokens, eos_ids=tuple(tok.eos_ids),
+                  cost_nodes=tuple(a.cost_nodes))
+    gb = sr.batch([pb.tokens[0, : pb.lengths[0]]], np.asarray([a.prompt]))
+    state = sr.init(heads)
+    for w in range(a.specroll_warmup):  # earlier epochs of the same prompt: calibration, store
+      _, state = sr.generate(params, gb, state, seed=a.seed + 1000 + w)
+    warm_state = state
+
+    def object_call():
+      out, _ = sr.generate(params, gb, warm_state, seed=a.seed)
+      return out
+
+    fns["SpecRoll defaults"] = object_call
   first, outs, times = {}, {}, {k: [] for k in fns}
   for k, fn in fns.items():
     outs[k], first[k] = _call(fn)
+  if a.specroll:
+    rep = outs["SpecRoll defaults"].report
+    choice = {"mode": rep.mode, "nodes": list(rep.nodes)}
   for _ in range(a.rounds):
     for k, fn in fns.items():
       times[k].append(_call(fn)[1])
@@ -82,7 +109,7 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
     e["step_vs_vanilla"] = e["ms_per_step"] / van["ms_per_step"]
     e["speedup"] = van["seconds"] / e["seconds"]
   return {"rows": rows, "prefill_s": sec["prefill"], "tokens": int(np.asarray(ref.lengths).sum()),
-          "engines": engines}
+          "engines": engines, "specroll_choice": choice}
 
 
 def main(argv=None):
@@ -96,11 +123,22 @@ def main(argv=None):
   ap.add_argument("--prompt", type=int, default=0, help="index of the synthetic test prompt")
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--rounds", type=int, default=3)
+  ap.add_argument("--ranking", nargs="+", choices=("coupled", "deterministic"),
+                  default=["coupled", "deterministic"],
+                  help="how the heads rank their candidates (RankedHeads.coupled)")
+  ap.add_argument("--specroll", action="store_true",
+                  help="also the SpecRoll object with its defaults (goodput choosing the nodes "
+                       "from this machine's measured cost), after --specroll-warmup batches")
+  ap.add_argument("--specroll-warmup", type=int, default=2)
+  ap.add_argument("--cost-nodes", type=int, nargs="+", default=[0, 4],
+                  help="the object's SpecRoll.cost_nodes")
   ap.add_argument("--quick", action="store_true", help="CI-sized: a tiny widening, 2 rows")
   a = ap.parse_args(argv)
-  _common.check_shared_flags(a, prompt=0, temperature=0.0, rounds=1, rows=1, nodes=1)
+  _common.check_shared_flags(a, prompt=0, temperature=0.0, rounds=1, rows=1, nodes=1,
+                             specroll_warmup=1, cost_nodes=0)
   if a.quick:
     a.rows, a.nodes, a.rounds, a.max_new_tokens = [2], [2], 1, 16
+    a.ranking = a.ranking[:1]
   config, params, tok, path = _common.load_model(a)
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
   shape = _common.quick_shape() if a.quick else models.QWEN25_SHAPES[a.shape]
@@ -137,7 +175,10 @@ def _print(res):
     t.add_column(c)
   for tail in res["tails"]:
     for e in tail["engines"]:
-      t.add_row(str(tail["rows"]), f"{tail['prefill_s']:.3f}", e["engine"], f"{e['tau']:.3f}",
+      name = e["engine"]
+      if name == "SpecRoll defaults" and tail.get("specroll_choice"):
+        name += f" ({tail['specroll_choice']['mode']} {tail['specroll_choice']['nodes']})"
+      t.add_row(str(tail["rows"]), f"{tail['prefill_s']:.3f}", name, f"{e['tau']:.3f}",
                 str(e["steps"]), f"{e['ms_per_step']:.1f}", f"{e['step_vs_vanilla']:.2f}",
                 f"{e['seconds']:.3f}", f"{e['speedup']:.2f}x", f"{e['compile_s']:.1f}",
                 str(e["identical"]))
@@ -150,11 +191,19 @@ def _plot(res, path):
   import matplotlib.pyplot as plt
   fig, ax = plt.subplots(1, 2, figsize=(11, 4))
   for tail in res["tails"]:
-    es = tail["engines"][1:]
-    nodes = [int(e["engine"].split()[0]) for e in es]
-    ax[0].plot(nodes, [e["step_vs_vanilla"] for e in es], "o-", label=f"{tail['rows']} rows")
-    ax[1].plot(nodes, [e["speedup"] for e in es], "o-", label=f"{tail['rows']} rows")
-    ax[1].plot(nodes, [e["tau"] for e in es], "x:", color=ax[1].lines[-1].get_color())
+    for ranking, style in (("coupled", "o-"), ("deterministic", "s--"), ("", "o-")):
+      es = [e for e in tail["engines"][1:] if e["engine"][0].isdigit()
+            and (e["engine"].endswith(ranking) if ranking else "," not in e["engine"])]
+      if not es:
+        continue
+      nodes = [int(e["engine"].split()[0]) for e in es]
+      label = f"{tail['rows']} rows" + (f", {ranking}" if ranking else "")
+      ax[0].plot(nodes, [e["step_vs_vanilla"] for e in es], style, label=label)
+      ax[1].plot(nodes, [e["speedup"] for e in es], style, label=label)
+      ax[1].plot(nodes, [e["tau"] for e in es], "x:", color=ax[1].lines[-1].get_color())
+    obj = [e for e in tail["engines"] if e["engine"] == "SpecRoll defaults"]
+    if obj:
+      ax[1].axhline(obj[0]["speedup"], ls="-.", lw=0.8, color=ax[1].lines[-1].get_color())
   ax[0].set(xlabel="nodes per row", ylabel="step cost / vanilla step", title="verify cost")
   ax[1].axhline(1.0, color="grey", lw=0.8)
   ax[1].set(xlabel="nodes per row", ylabel="speedup (o) and tau (x)", title="speedup vs vanilla")

@@ -172,7 +172,8 @@ def test_speculative_returns_vanilla_tokens(model, vanilla):
                     specroll=FIXED)
   hd = heads.init(jax.random.key(4), lookup.config, 3, scale=0.05)
   with_heads = _backend(model, heads=hd, num_generations=2, specroll=FIXED)
-  for b in (lookup, with_heads):
+  learned = _backend(model, heads="learn", num_generations=2, specroll=FIXED)  # heads from none
+  for b in (lookup, with_heads, learned):
     outs = [b.generate(PROMPTS, RC), b.generate(PROMPTS_2, RC)]
     assert int(b.last_rollout.stats.nodes_verified) > 0  # trees were verified: not vanilla
     assert b.report.mode == "speculative" and int(b.state.batches) == 2  # carried over calls
@@ -181,6 +182,9 @@ def test_speculative_returns_vanilla_tokens(model, vanilla):
       for a, c in zip(got.logprobs, want.logprobs, strict=True):
         np.testing.assert_allclose(a, c, atol=ATOL, rtol=0)
   assert with_heads.report.slow is not None and np.asarray(with_heads.state.store.count).sum()
+  assert learned.report.slow.decision in ("bootstrap", "learning")  # the heads are learning
+  with pytest.raises(ValueError, match="heads must be heads, None or 'learn'"):
+    _backend(model, heads="fit", num_generations=2)
   with pytest.warns(DeprecationWarning, match="adaptation"):
     from specroll_jax import adaptation
     state = adaptation.init(adaptation.AdaptationConfig(), hd)

@@ -107,7 +107,8 @@ class SpecRollRollout(base_rollout.BaseRollout):
   rollout_config: tunix's ``RolloutConfig`` the cluster passes (its TRAIN one): what
     ``get_per_token_logps`` scores under; ``generate`` reads the one it is given.
   heads: future-token heads (``cond_heads.CondHeads`` for the default tree, or ``heads.Heads``):
-    decode through ``SpecRoll`` with its defaults. proposer, proposer_params: your proposer in the
+    decode through ``SpecRoll`` with its defaults; ``"learn"``: fresh heads that SpecRoll learns
+    from the policy's own rollouts (``SpecRoll.init("learn")``), for a model without heads. proposer, proposer_params: your proposer in the
     same object instead. specroll: other ``SpecRoll`` settings (a dict of its fields, e.g.
     ``{"budget": "fixed", "spec": SpecConfig(...)}``). None of heads / proposer: the vanilla
     engine. ``self.state`` is the object's state (carried from call to call, per rollout config),
@@ -187,7 +188,10 @@ class SpecRollRollout(base_rollout.BaseRollout):
                        "given: pass its parameters (() for a proposer without any)")
     if proposer is None and proposer_params is not None:
       raise ValueError("proposer_params is set but proposer is None")
-    if heads is not None:
+    if isinstance(heads, str):
+      if heads != "learn":
+        raise ValueError(f"heads must be heads, None or 'learn', got {heads!r}")
+    elif heads is not None:
       head_kinds.validate(self._base_config, heads)
     self._heads, self._proposer, self._proposer_params = heads, proposer, proposer_params
     self._specroll_kw = specroll
