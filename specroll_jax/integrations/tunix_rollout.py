@@ -109,7 +109,8 @@ class SpecRollRollout(base_rollout.BaseRollout):
   heads: future-token heads (``cond_heads.CondHeads`` for the default tree, or ``heads.Heads``):
     decode through ``SpecRoll`` with its defaults; ``"learn"``: fresh heads that SpecRoll learns
     from the policy's own rollouts (``SpecRoll.init("learn")``), for a model without heads.
-    proposer, proposer_params: your proposer in the same object instead. specroll: other ``SpecRoll`` settings (a dict of its fields, e.g.
+    proposer, proposer_params: your proposer in the same object instead. specroll: other
+    ``SpecRoll`` settings (a dict of its fields, e.g.
     ``{"budget": "fixed", "spec": SpecConfig(...)}``). None of heads / proposer: the vanilla
     engine. ``self.state`` is the object's state (carried from call to call, per rollout config),
     ``self.report`` the last call's ``SpecRollReport``. adaptation, spec: deprecated (a
