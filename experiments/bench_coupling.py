@@ -27,7 +27,6 @@ tokens. Writes JSON and a PNG.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -36,9 +35,10 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import cli, pipeline, rollout
+from specroll_jax import cli, executables, pipeline, rollout
 from specroll_jax import cond_heads as CH
 from specroll_jax import draft_quality as DQ
+from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k, tasks
 from specroll_jax.proposers import RankedHeads
 from specroll_jax.sampling import SamplingConfig, group_sample_ids
@@ -148,10 +148,10 @@ def part_object(a, config, params, tok, shipped):
     ref = None
     for nodes in a.nodes:
       for coupled in (False, True):
+        # one row bucket: a row's trees and tau do not depend on compaction, one loop compiles
         sr = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=m,
-                      budget="fixed", heads_tree=RankedHeads(coupled=coupled))
-        sr = dataclasses.replace(sr, spec=dataclasses.replace(
-            sr.spec, nodes=(nodes,) * len(sr.spec.bucket_fractions)))
+                      budget="fixed", heads_tree=RankedHeads(coupled=coupled),
+                      spec=SpecConfig(bucket_fractions=(1.0,), nodes=(nodes,)))
         batch = sr.batch(ids, a.offset + np.arange(a.prompts))
         if ref is None:
           ref = rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
@@ -161,6 +161,8 @@ def part_object(a, config, params, tok, shipped):
                                      cache_length=batch.rows.cache_length))
         out, _ = sr.generate(params, batch, sr.init(heads), seed=a.seed)
         same = bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all())
+        executables.clear()  # each object compiles its own programs: free their code mappings
+        jax.clear_caches()
         row = {"task": task, "T": t, "heads": heads_name, "nodes": nodes, "coupled": coupled,
                "tau": out.report.tau, "depth_acceptance": list(out.report.depth_acceptance),
                "identical": same}

@@ -122,7 +122,8 @@ def fit_and_save_cond_heads(path, *, task=None, num_prompts: int = 2048, steps: 
   sampling = rollout.SamplingConfig(temperature=1.0)
   hd = pipeline.fitted_cond_heads(config, params, tok, path, num_prompts=num_prompts,
                                   steps=steps, max_new_tokens=max_new_tokens, sampling=sampling,
-                                  seed=seed, progress=sys.stdout.isatty(), cache=False, task=task)
+                                  seed=seed, progress=sys.stdout.isatty(), cache=False, task=task,
+                                  tv_weight=0.0)  # the shipped heads' loss (no TV term)
   CH.save(Path(path) / "cond_heads.safetensors", hd)
   held = pipeline.self_rollouts(config, params, tok, num_prompts=128, offset=num_prompts,
                                 max_new_tokens=max_new_tokens, sampling=sampling, seed=seed + 1,

@@ -124,12 +124,13 @@ def fitted_cond_heads(config, params, tok: Tokenizer, model_path, *, num_heads: 
                       num_prompts: int = 2048, max_new_tokens: int = 256,
                       sampling: rollout.SamplingConfig = _T1, steps: int = 4000,
                       width: int | None = None, seed: int = 1234, progress: bool = True,
-                      cache: bool = True, task=None):
+                      cache: bool = True, task=None, tv_weight: float = 1.0):
   """Root-conditioned heads (``cond_heads``) fitted on the target's own rollouts of train prompts
-  of ``task`` (default GSM8K) at ``sampling`` (soft self-distillation); cached like
-  ``fitted_heads``."""
+  of ``task`` (default GSM8K) at ``sampling`` (soft self-distillation with ``cond_heads.fit``'s
+  TV term at ``tv_weight``); cached like ``fitted_heads``."""
   from specroll_jax import cond_heads as _cond
-  settings = (num_heads, num_prompts, max_new_tokens, repr(sampling), steps, width, seed)
+  settings = (num_heads, num_prompts, max_new_tokens, repr(sampling), steps, width, seed,
+              f"tv_weight={tv_weight}")
   if task is not None:
     settings += (repr(task),)
   file = _heads_cache_file("cond", model_path, *settings)
@@ -140,6 +141,7 @@ def fitted_cond_heads(config, params, tok: Tokenizer, model_path, *, num_heads: 
                                   chunk=64, task=task)
   hd = _cond.init(jax.random.key(seed), config, num_heads, width=width)
   hd, _ = _cond.fit(config, params, hd, toks, lens, hid, sampling=sampling, steps=steps,
+                    tv_weight=tv_weight,
                     progress=progress)
   if cache:
     file.parent.mkdir(parents=True, exist_ok=True)

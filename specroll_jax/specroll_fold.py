@@ -122,6 +122,7 @@ def slow_events(slow: SlowReport, was_learning: bool) -> list[str]:
     events.append("learning phase ends" + gain)
   return events
 
+
 def draw_records(sr, params, adapt, batch, hidden, tokens, lengths, seed):
   """``records_per_batch`` records of the slow path from a rollout of the batch's first rows
   (``hidden`` [R, M, D], its ``tokens`` and ``lengths``): ``trainer_records.from_hidden`` with
