@@ -127,7 +127,8 @@ def curves(a, params, tok, arms, task: str, offset: int, batches: int, prompts: 
     ids = prompts_of(tok, task, "train", prompts, offset=offset + b * prompts)
     pids = 50_000 + offset + b * prompts + np.arange(prompts)
     for name, (obj, st) in arms.items():
-      res, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b)
+      res, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b,
+                             step_seconds=a.step_seconds)
       arms[name] = (obj, st)
       rep = res.report
       out[name].append({"tau": rep.tau, "slow": None if rep.slow is None else rep.slow.decision,
@@ -185,6 +186,10 @@ def main(argv=None):
                   default=["defaults", "shift", "coldstart"])
   ap.add_argument("--shift-batches", type=int, default=12)
   ap.add_argument("--shift-prompts", type=int, default=8)
+  ap.add_argument("--step-seconds", type=float, default=None,
+                  help="parts 2 and 3: the seconds of the GRPO step each batch stands for "
+                       "(SpecRoll.generate's step_seconds: what the heads' learning may spend a "
+                       "share of; default: the rollout's own seconds)")
   ap.add_argument("--cold-batches", type=int, default=12)
   ap.add_argument("--cold-prompts", type=int, default=8)
   ap.add_argument("--ceiling-prompts", type=int, default=2048)
@@ -199,7 +204,7 @@ def main(argv=None):
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, temperatures=0.0, nodes=1, cost_nodes=0, warmup=0, repeats=1,
                              shift_batches=1, shift_prompts=1, ceiling_prompts=1, ceiling_steps=1,
-                             cold_batches=1, cold_prompts=1)
+                             cold_batches=1, cold_prompts=1, step_seconds=0.0)
   if a.quick:
     a.temperatures, a.prompts, a.group, a.max_new_tokens = [1.0], 2, 4, 24
     a.repeats, a.warmup, a.shift_batches, a.shift_prompts = 1, 1, 2, 2

@@ -46,7 +46,7 @@ from specroll_jax import goodput as _goodput
 from specroll_jax import reports as _reports
 from specroll_jax import specroll_fold as _fold
 from specroll_jax import store as _store
-from specroll_jax._fields import check_float, check_int, check_type, int_tuple
+from specroll_jax._fields import check_float, check_int, check_type, float_arg, int_tuple
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
@@ -483,12 +483,17 @@ class SpecRoll:
     spec, _ = _goodput.choose(state.cost, perfect, len(batch), self.spec, capacity=prop.capacity)
     return any(spec.nodes)
 
-  def generate(self, params, batch: GroupBatch, state: SpecRollState, *,
-               seed: int = 0) -> tuple[Rollout, SpecRollState]:
+  def generate(self, params, batch: GroupBatch, state: SpecRollState, *, seed: int = 0,
+               step_seconds: float | None = None) -> tuple[Rollout, SpecRollState]:
     """Roll ``batch`` out under ``params`` and fold what it measured into the state. Returns
     (the rollout, whose ``report`` is a ``SpecRollReport``; the state for the next batch). The
-    tokens are the vanilla engine's whatever the plan."""
+    tokens are the vanilla engine's whatever the plan. ``step_seconds``: the seconds of the
+    training step around the rollouts as the caller measures it (rollout, rewards, update; e.g.
+    the previous step's), what a learning refresh of the heads may spend a share of
+    (``SlowPathConfig.learn_budget``); None: the rollout's own seconds."""
     self.check_state(state)
+    if step_seconds is not None:
+      step_seconds = float_arg(step_seconds, "step_seconds", 0)
     if not isinstance(batch, GroupBatch):
       raise ValueError(f"batch must be a GroupBatch (SpecRoll.batch), got {type(batch).__name__}")
     if batch.group_size != self.group_size:
@@ -522,7 +527,8 @@ class SpecRoll:
     seconds = distributed.all_max(time.perf_counter() - t0)
     probe_s = time.perf_counter() - t1 if plan.mode == "probe" else 0.0
     return self.update(params, state, batch, plan, out, probe, seconds, seed=seed,
-                       probe_tau=probe_tau, probe_seconds=probe_s, compile_seconds=compile_s)
+                       probe_tau=probe_tau, probe_seconds=probe_s, compile_seconds=compile_s,
+                       step_seconds=step_seconds)
 
   def update(self, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: Rollout,
              spec: Rollout | None, seconds: float, **kw) -> tuple[Rollout, SpecRollState]:

@@ -25,8 +25,8 @@ from specroll_jax.specroll_state import GroupBatch, Plan, SpecRollState, place
 
 def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: Rollout,
          spec: Rollout | None, seconds: float, *, seed: int = 0, probe_tau: float | None = None,
-         probe_seconds: float = 0.0, compile_seconds: float = 0.0
-         ) -> tuple[Rollout, SpecRollState]:
+         probe_seconds: float = 0.0, compile_seconds: float = 0.0,
+         step_seconds: float | None = None) -> tuple[Rollout, SpecRollState]:
   """``sr`` (the ``SpecRoll`` object) folds a finished rollout of ``batch`` into the state
   (``spec``: the rollout of the rows that verified trees, ``out`` itself or a probe's; None: none
   did): non-finite rows refused,
@@ -71,7 +71,8 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
   was_learning = adapt is not None and int(adapt.slow.monitor.learning) > 0
   if (adapt is not None and adapt.config.slow.mode != "off" and spec is not None
       and spec.hidden is not None):  # records from the rows that verified trees
-    adapt, slow, counts = slow_path(sr, params, adapt, batch, spec, seconds, seed)
+    step = None if step_seconds is None else distributed.all_max(step_seconds)
+    adapt, slow, counts = slow_path(sr, params, adapt, batch, spec, seconds, seed, step)
     events = slow_events(slow, was_learning)
   acc = ()
   if spec is not None:  # over every process's rows
@@ -135,7 +136,7 @@ def draw_records(sr, params, adapt, batch, hidden, tokens, lengths, seed):
       num_anchors=sr.records_per_batch, seed=seed, sample_ids=batch.sample_ids[:rows])
 
 
-def slow_path(sr, params, adapt, batch, out, seconds, seed):
+def slow_path(sr, params, adapt, batch, out, seconds, seed, step_seconds=None):
   """Records drawn from the anchor hidden states of ``out`` (the rollout of the batch's first
   rows that verified trees: all of them, or a probe's; every process's), then the slow path's
   monitor and refresh (``slow_path.after_batch``); each head's acceptance is its records' hit
@@ -150,7 +151,8 @@ def slow_path(sr, params, adapt, batch, out, seconds, seed):
   hit = np.asarray(recs.hit, np.float64) * valid
   acc = np.where(valid.sum(1) > 0, hit.sum(1) / np.maximum(valid.sum(1), 1), np.nan)
   slow, heads, rep = _slow.after_batch(cfg.slow, adapt.slow, sr.config, params, adapt.heads,
-                                       recs, jnp.asarray(acc, jnp.float32), float(seconds))
+                                       recs, jnp.asarray(acc, jnp.float32), float(seconds),
+                                       step_seconds)
   if jax.process_count() > 1:  # the refresh's clock as the slowest process measured it
     m = slow.monitor
     slow = slow.replace(monitor=m.replace(**{k: jnp.float32(distributed.all_max(getattr(m, k)))

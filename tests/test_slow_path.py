@@ -194,9 +194,13 @@ def test_learning_steps_fit_the_budget_and_a_collapse_refits_and_learns():
   tv, n = jnp.full((K,), 0.3), jnp.full((K,), 20.0)
   m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(2.0))
   assert int(d.steps) == 1  # nothing timed yet: one step
-  m = m.replace(last_refresh_seconds=jnp.float32(0.04), last_refresh_steps=jnp.int32(4))
+  # 0.06 s for 4 steps and two evaluation passes: 0.01 s a pass; 0.05 * 2 s fits 10 passes, 8
+  # of them steps
+  m = m.replace(last_refresh_seconds=jnp.float32(0.06), last_refresh_steps=jnp.int32(4))
   m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(2.0))
-  assert int(d.steps) == 10  # 0.05 * 2 s at 0.01 s per step
+  assert int(d.steps) == 8
+  m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(1.0), jnp.float32(4.0))
+  assert int(d.steps) == 18  # the step around the rollout (4 s) bounds it when given
   m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(100.0))
   assert int(d.steps) == 20  # at most bootstrap_steps
   m = m.replace(learning=jnp.int32(0))
@@ -756,7 +760,7 @@ def test_main_job_slow_path_settings(tmp_path):
   from conftest import load_script
   mod = load_script("gsm8k.py")
   cfg = mod.run_config(mod.parse(["--records-per-batch", "64"]), rollout_kind="specroll")
-  learn = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.01, learn_budget=0.05,
+  learn = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.002, learn_budget=0.05,
                collapse_acceptance=0.02, tv_weight=1.0)
   assert cfg.slow == sp.SlowPathConfig.for_small_models(**learn)
   assert cfg.records_per_batch == 64

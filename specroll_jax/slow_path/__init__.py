@@ -108,10 +108,12 @@ def init(cfg: SlowPathConfig, heads: Heads, *, support_size: int,
 # Host entry
 
 
-def _observe(cfg, state: SlowPathState, batch: Records, acceptance, rollout_seconds):
+def _observe(cfg, state: SlowPathState, batch: Records, acceptance, rollout_seconds,
+             step_seconds):
   tv, n = batch_stats(batch, cfg.signal)
   reservoir = records_lib.merge(state.reservoir, batch)
-  monitor, decision = monitor_update(cfg, state.monitor, tv, acceptance, n, rollout_seconds)
+  monitor, decision = monitor_update(cfg, state.monitor, tv, acceptance, n, rollout_seconds,
+                                     step_seconds)
   return state.replace(reservoir=reservoir, monitor=monitor), decision, tv, n
 
 
@@ -252,11 +254,14 @@ class BatchReport:
 
 def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelConfig, params,
                 heads: Heads, batch_records: Records, head_acceptance: Float[Array, " K"],
-                rollout_seconds: float) -> tuple[SlowPathState, Heads, BatchReport]:
+                rollout_seconds: float, step_seconds: float | None = None
+                ) -> tuple[SlowPathState, Heads, BatchReport]:
   """The rollout loop's call between two batches: merge the batch's records (its own buffer, a
   fresh ``records.empty`` per batch) into the reservoir, update the monitor, and refresh the heads
   the decision names. Returns (state, heads, report), a ``BatchReport`` of plain Python values.
-  Nothing is donated: the input state and heads stay valid.
+  Nothing is donated: the input state and heads stay valid. ``step_seconds``: the seconds of
+  the step around this rollout (a GRPO step: rollout, rewards, update), what bounds a learning
+  refresh (``SlowPathConfig.learn_budget``); None: the rollout's.
 
   Typical loop (``records`` [K, *, ...] and ``acceptance`` [K] are what the rollout's proposer
   collected for this batch)::
@@ -270,7 +275,9 @@ def after_batch(cfg: SlowPathConfig, state: SlowPathState, model_config: ModelCo
   """
   acc, secs = _check_inputs(cfg, state, model_config, heads, batch_records, head_acceptance,
                             rollout_seconds)
-  state, decision, tv, n = _observe_jit(cfg, state, batch_records, jnp.asarray(acc), secs)
+  step = secs if step_seconds is None else np.float32(
+      float_arg(float(step_seconds), "step_seconds", 0))
+  state, decision, tv, n = _observe_jit(cfg, state, batch_records, jnp.asarray(acc), secs, step)
   d, tv, n = jax.device_get((decision, tv, n))
   fl = lambda x: tuple(float(v) for v in np.asarray(x))
   report = BatchReport(batch=int(jax.device_get(state.monitor.batches)), mode=cfg.mode,

@@ -44,9 +44,12 @@ def batch_stats(batch: Records, signal: str = "tv"
 
 def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
                    acceptance: Float[Array, " K"], records: Float[Array, " K"],
-                   rollout_seconds: Float[Array, ""]) -> tuple[MonitorState, Decision]:
+                   rollout_seconds: Float[Array, ""], step_seconds=None
+                   ) -> tuple[MonitorState, Decision]:
   """One rollout batch: per head its mean sparse TV, acceptance rate (NaN: unknown) and number of
-  matured records. Pure (``cfg`` static); returns the new monitor and the decision."""
+  matured records; ``step_seconds``: the seconds of the step around the rollout that bound a
+  learning refresh (``learn_budget``; None: the rollout's). Pure (``cfg`` static); returns the
+  new monitor and the decision."""
   f32 = jnp.float32
   k = tv.shape[0]
   n = jnp.where(jnp.isfinite(tv), records.astype(f32), 0.0)
@@ -146,9 +149,11 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
     most = cfg.bootstrap_steps or cfg.refresh_steps
     learn_steps = jnp.int32(most)
     if cfg.learn_budget > 0:  # what fits in the budget at the last refresh's seconds per step
-      per_step = m.last_refresh_seconds / jnp.maximum(m.last_refresh_steps, 1)
-      fit = jnp.floor(cfg.learn_budget * jnp.asarray(rollout_seconds, f32)
-                      / jnp.maximum(per_step, 1e-9))
+      # (a refresh also reads the reservoir about twice to evaluate: counted as 2 steps)
+      per_step = m.last_refresh_seconds / (m.last_refresh_steps + 2).astype(f32)
+      around = rollout_seconds if step_seconds is None else step_seconds
+      fit = jnp.floor(cfg.learn_budget * jnp.asarray(around, f32)
+                      / jnp.maximum(per_step, 1e-9)) - 2
       learn_steps = jnp.where(m.last_refresh_steps > 0, jnp.clip(fit, 1, most),
                               1).astype(jnp.int32)
     steps = jnp.where(booting, learn_steps, steps)
