@@ -67,9 +67,9 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
                                                  max_new_tokens=a.max_new_tokens, **kw)
   choice = None
   if a.specroll:  # the object with its defaults (goodput choosing the nodes), warm and calibrated
+    more = {} if a.cost_nodes is None else {"cost_nodes": tuple(a.cost_nodes)}
     sr = SpecRoll(config, sampling=kw["sampling"], group_size=rows,
-                  max_new_tokens=a.max_new_tokens, eos_ids=tuple(tok.eos_ids),
-                  cost_nodes=tuple(a.cost_nodes))
+                  max_new_tokens=a.max_new_tokens, eos_ids=tuple(tok.eos_ids), **more)
     gb = sr.batch([pb.tokens[0, : pb.lengths[0]]], np.asarray([a.prompt]))
     state = sr.init(heads)
     for w in range(a.specroll_warmup):  # earlier epochs of the same prompt: calibration, store
@@ -130,8 +130,8 @@ def main(argv=None):
                   help="also the SpecRoll object with its defaults (goodput choosing the nodes "
                        "from this machine's measured cost), after --specroll-warmup batches")
   ap.add_argument("--specroll-warmup", type=int, default=2)
-  ap.add_argument("--cost-nodes", type=int, nargs="+", default=[0, 4],
-                  help="the object's SpecRoll.cost_nodes")
+  ap.add_argument("--cost-nodes", type=int, nargs="+", default=None,
+                  help="the object's SpecRoll.cost_nodes (default: SpecRoll's)")
   ap.add_argument("--quick", action="store_true", help="CI-sized: a tiny widening, 2 rows")
   a = ap.parse_args(argv)
   _common.check_shared_flags(a, prompt=0, temperature=0.0, rounds=1, rows=1, nodes=1,

@@ -81,6 +81,10 @@ from specroll_jax.specroll_state import (
 DEFAULT_REFLEX = ReflexConfig(conditioned=True, record_capacity=0, sleep_batches=3,
                               sleep_max_batches=24)
 BUDGETS = ("goodput", "fixed")
+# node counts goodput prices and chooses from: the plain step, small trees (what pays where a
+# tree's tokens are not free, a CPU at a batch's tail: docs/benchmarks.md, "The tail at a real
+# shape on the CPU") and a 4-node tree (where they are, below a GPU's ridge point)
+DEFAULT_COST_NODES = (0, 1, 2, 4)
 MIN_PROMPT_WIDTH = 32  # prompts pad to a power of two at least this wide: few shapes, few compiles
 
 
@@ -143,7 +147,7 @@ class SpecRoll:
   store_per_prompt: int | None = None
   calibration_strength: float = 8.0
   calibration_decay: float = 0.7
-  cost_nodes: tuple[int, ...] = (0, 4)
+  cost_nodes: tuple[int, ...] = DEFAULT_COST_NODES
   kernels: str = "auto"
   prompt_width: int | None = None
   params_from: Callable | None = None
@@ -558,5 +562,5 @@ class SpecRoll:
     return dataclasses.replace(cost, seconds=tuple(map(tuple, sec.tolist())))
 
 
-__all__ = ["BUDGETS", "DEFAULT_REFLEX", "GroupBatch", "Mapped", "Plan", "SpecRoll",
-           "SpecRollState"]
+__all__ = ["BUDGETS", "DEFAULT_COST_NODES", "DEFAULT_REFLEX", "GroupBatch", "Mapped", "Plan",
+           "SpecRoll", "SpecRollState"]

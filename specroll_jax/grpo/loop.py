@@ -41,7 +41,7 @@ from specroll_jax.grpo.trainer import (
 from specroll_jax.reflex import ReflexConfig
 from specroll_jax.sampling import group_sample_ids
 from specroll_jax.slow_path import SlowPathConfig
-from specroll_jax.specroll import DEFAULT_REFLEX, SpecRoll
+from specroll_jax.specroll import DEFAULT_COST_NODES, DEFAULT_REFLEX, SpecRoll
 from specroll_jax.specroll_state import SpecRollState
 from specroll_jax.traces import TraceWriter
 
@@ -96,7 +96,7 @@ class RunConfig:
   eval_prompts: int = 64
   keep_checkpoints: int = 2
   goodput: bool = True
-  cost_nodes: tuple[int, ...] = (0, 4)
+  cost_nodes: tuple[int, ...] = DEFAULT_COST_NODES
   vanilla_buckets: tuple[float, ...] | None = None
 
   def __post_init__(self):
