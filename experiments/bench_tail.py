@@ -86,7 +86,9 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
     outs[k], first[k] = _call(fn)
   if a.specroll:
     rep = outs["SpecRoll defaults"].report
-    choice = {"mode": rep.mode, "nodes": list(rep.nodes)}
+    choice = {"mode": rep.mode, "nodes": list(rep.nodes), "rollout_s": rep.rollout_seconds,
+              "host_s": rep.host_seconds, "reflex": rep.reflex,
+              "slow": None if rep.slow is None else rep.slow.decision}
   for _ in range(a.rounds):
     for k, fn in fns.items():
       times[k].append(_call(fn)[1])
