@@ -30,7 +30,7 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import cli, models, pipeline, rollout
+from specroll_jax import cli, executables, models, pipeline, rollout
 from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k, tasks
 from specroll_jax.proposers import GroupLookup, Merged, RankedHeads
@@ -158,6 +158,8 @@ def main(argv=None):
   for r in a.rows:
     res["tails"].append(tail_rows(a, config, params, heads, tok, r))
     out.write_text(json.dumps(res, indent=1))
+    executables.clear()  # every row count compiles its own programs: free their code mappings
+    jax.clear_caches()
     print(f"  {r} rows done", flush=True)
   _print(res)
   _plot(res, out.with_suffix(".png"))

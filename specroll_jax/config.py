@@ -73,11 +73,12 @@ class SpecConfig:
   gate: per bucket fraction, None or the break-even expected accepted nodes per active row: a
     step verifies its tree only when the proposer's estimate (``Proposer.expected_gain``) reaches
     it, else it runs the plain decode step (``goodput.choose(..., gated=True)``).
-  choices: node counts per row that one compiled program can run in any bucket, the count of
-    each bucket given at run time (``SpecEngine.__call__``'s ``nodes``): every bucket's step is a
-    ``lax.switch`` over one branch per count, so a new choice (goodput's, per batch) never
-    compiles; the program costs about one branch per count to compile. Excludes ``nodes`` and
-    ``gate``.
+  choices: node counts per row that one compiled program can run, the count of each bucket given
+    at run time (``SpecEngine.__call__``'s ``nodes``): every bucket's step is a ``lax.switch``
+    over one branch per count, so a new choice (goodput's, per batch) never compiles; the program
+    costs about one branch per count to compile. One tuple for every bucket, or one per bucket
+    fraction (a bucket with one count compiles no switch); a count a bucket was not compiled for
+    runs the bucket's first (the plain step where it has 0). Excludes ``nodes`` and ``gate``.
   """
 
   num_heads: int = 3
@@ -87,7 +88,7 @@ class SpecConfig:
   bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
   nodes: tuple[int, ...] | None = None
   gate: tuple[float | None, ...] | None = None
-  choices: tuple[int, ...] | None = None
+  choices: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
 
   def __post_init__(self):
     check_int(self, "num_heads", 1)
@@ -116,14 +117,23 @@ class SpecConfig:
           None if g is None else float_arg(g, f"SpecConfig.gate[{i}]", 0, allow_inf=True)
           for i, g in enumerate(gate)))
     if self.choices is not None:
-      ch = int_tuple(self.choices, "SpecConfig.choices", 0)
-      if not ch or list(ch) != sorted(set(ch)):
-        raise ValueError(f"SpecConfig.choices must be distinct ints >= 0, ascending, got "
-                         f"{self.choices}")
+      per = tuple(self.choices)
+      if not per or not all(isinstance(c, (tuple, list)) for c in per):
+        per = (per,) * nb
+      if len(per) != nb:
+        raise ValueError(f"SpecConfig.choices must be one tuple of counts, or one per bucket "
+                         f"fraction ({nb}), got {self.choices}")
+      checked = []
+      for ch in per:
+        ch = int_tuple(ch, "SpecConfig.choices", 0)
+        if not ch or list(ch) != sorted(set(ch)):
+          raise ValueError(f"SpecConfig.choices must be distinct ints >= 0, ascending, got "
+                           f"{self.choices}")
+        checked.append(ch)
       if self.nodes is not None or self.gate is not None:
         raise ValueError("SpecConfig.choices (node counts chosen at run time) excludes nodes and "
                          f"gate, got nodes={self.nodes}, gate={self.gate}")
-      object.__setattr__(self, "choices", ch)
+      object.__setattr__(self, "choices", tuple(checked))
 
   @classmethod
   def for_cpu(cls) -> SpecConfig:
@@ -160,9 +170,10 @@ class SpecConfig:
     N = min(max_nodes, node_budget // rows, capacity) (with ``nodes``: its entry; with
     ``choices``: the largest, the counts themselves chosen at run time)."""
     kept = _buckets.kept_buckets(batch, self.bucket_fractions)
-    if self.choices is not None:  # the largest count the program can run
-      cap = max(self.choices) if capacity is None else min(capacity, max(self.choices))
-      return [(r, cap) for r, _ in kept]
+    if self.choices is not None:  # the largest count each bucket's program can run
+      big = lambda i: max(self.choices[i]) if capacity is None else min(capacity,
+                                                                         max(self.choices[i]))
+      return [(r, big(i)) for r, i in kept]
     if self.nodes is not None:
       cap = max(self.nodes) if capacity is None else capacity
       return [(r, min(cap, self.nodes[i])) for r, i in kept]

@@ -91,7 +91,7 @@ def describe(sr, state) -> str:
     adapt.append(f"Reflex (sleeps {sr.reflex.sleep_batches}..{sr.reflex.sleep_max_batches}"
                  " batches when unpaid)")
   if state.adaptation is not None and sr.slow.mode != "off":
-    learn = (f"learning while a refit lowers held-out TV by {sr.slow.learn_gain:.0%}"
+    learn = (f"learning while a refit lowers held-out TV by {sr.slow.learn_gain:.1%}"
              if sr.slow.learn_gain > 0 else f"bootstrap {sr.slow.bootstrap_batches} refreshes")
     adapt.append(f"slow path {sr.slow.mode} ({learn}, {sr.records_per_batch} records per batch "
                  "from the rows that verify trees)")

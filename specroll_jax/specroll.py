@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specroll_jax import adaptation as _adapt
+from specroll_jax import buckets as _buckets
 from specroll_jax import calibration as _cal
 from specroll_jax import distributed, head_kinds
 from specroll_jax import executables as _exe
@@ -354,15 +355,17 @@ class SpecRoll:
       return Plan("speculative", self.spec, prop, n, reflex)
     expected = np.asarray(state.expected, np.float64)
     choice, spec = (), None
+    counts = self._counts(state, n, prop)
     if trees:
-      nodes = (max(self.cost_nodes),) * len(self.spec.bucket_fractions)
-      return Plan("speculative", dataclasses.replace(self.spec, nodes=nodes), prop, n, reflex)
+      nodes = tuple(max(c) for c in counts)
+      return Plan("speculative", dataclasses.replace(self.spec, nodes=nodes), prop, n, reflex,
+                  counts=counts)
     if expected[1:].any() and state.cost is not None:
       spec, choice = _goodput.choose(state.cost, expected, n, self.spec, capacity=prop.capacity)
       nodes = distributed.from_process0(np.asarray(spec.nodes, np.int32))  # one choice for all
       spec = dataclasses.replace(spec, nodes=tuple(int(x) for x in nodes))
     if spec is not None and any(spec.nodes):
-      return Plan("speculative", spec, prop, n, reflex, choice)
+      return Plan("speculative", spec, prop, n, reflex, choice, counts=counts)
     if probe is None:
       probe = self.probe_every > 0 and int(state.batches) >= int(state.next_probe)
     if not probe:
@@ -394,7 +397,9 @@ class SpecRoll:
     """The engine object a plan runs on ``rows`` (traceable inside a caller's jit). A program
     that verifies trees (the whole batch's in speculative mode, a probe's) hands out its anchor
     hidden states when the slow path draws records from them; the vanilla one does not (where
-    goodput verifies no tree the heads learn no more than the probes measure)."""
+    goodput verifies no tree the heads learn no more than the probes measure). Goodput's program
+    (``plan.counts`` set) takes each bucket's node count as a fourth argument:
+    ``engine(params, proposer_params, batch, np.asarray(plan.spec.nodes, np.int32))``."""
     hidden = self._records_on() and speculative
     settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                               cache_length=rows.cache_length,
@@ -409,13 +414,29 @@ class SpecRoll:
 
   def _choices(self, plan: Plan) -> bool:
     """Whether ``plan`` runs goodput's program: every bucket switches at run time between the
-    ``cost_nodes`` counts, so no choice of goodput's compiles a program of its own."""
-    return self.budget == "goodput" and plan.mode == "speculative"
+    counts it could choose (``plan.counts``), so no choice of goodput's compiles a program of
+    its own."""
+    return plan.counts is not None
 
   def _engine_spec(self, plan: Plan) -> SpecConfig:
     if self._choices(plan):
-      return dataclasses.replace(plan.spec, nodes=None, gate=None, choices=self.cost_nodes)
+      return dataclasses.replace(plan.spec, nodes=None, gate=None, choices=plan.counts)
     return plan.spec
+
+  def _counts(self, state: SpecRollState, rows: int, prop) -> tuple[tuple[int, ...], ...]:
+    """Per bucket fraction, the ``cost_nodes`` counts goodput could ever choose for a batch of
+    ``rows`` rows on this machine (0, and each count whose tree would pay were every node
+    accepted; every count before the cost is measured): what goodput's program compiles."""
+    fractions = self.spec.bucket_fractions
+    allowed = tuple(c for c in self.cost_nodes if c <= prop.capacity)
+    if state.cost is None:
+      return (allowed,) * len(fractions)
+    out = [(0,)] * len(fractions)
+    allowed = tuple(c for c in allowed if c in state.cost.node_counts)  # what it can price
+    for r, i in _buckets.kept_buckets(rows, fractions):
+      plain = 1.0 / state.cost.cost(r, 0)
+      out[i] = tuple(c for c in allowed if c == 0 or (1.0 + c) / state.cost.cost(r, c) > plain)
+    return tuple(out)
 
   def _records_on(self) -> bool:
     return self.proposer is None and self.slow.mode != "off"
@@ -477,15 +498,10 @@ class SpecRoll:
     return time.perf_counter() - t0
 
   def _trees_can_pay(self, state: SpecRollState, batch: GroupBatch) -> bool:
-    """Whether goodput could give any bucket of this batch a tree on this machine: with every
-    node of a tree accepted up to the proposer's depth (acceptance no proposer beats)."""
-    if state.cost is None:
-      return True
+    """Whether goodput could give any bucket of this batch a tree on this machine (with every
+    node accepted: ``_counts``)."""
     heads = None if state.adaptation is None else state.adaptation.heads
-    prop = self._ranked(heads, False)
-    perfect = np.minimum(np.arange(prop.capacity + 1), prop.max_depth).astype(np.float64)
-    spec, _ = _goodput.choose(state.cost, perfect, len(batch), self.spec, capacity=prop.capacity)
-    return any(spec.nodes)
+    return any(max(c) > 0 for c in self._counts(state, len(batch), self._ranked(heads, False)))
 
   def generate(self, params, batch: GroupBatch, state: SpecRollState, *, seed: int = 0,
                step_seconds: float | None = None) -> tuple[Rollout, SpecRollState]:

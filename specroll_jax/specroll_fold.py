@@ -126,14 +126,16 @@ def slow_events(slow: SlowReport, was_learning: bool) -> list[str]:
 
 def draw_records(sr, params, adapt, batch, hidden, tokens, lengths, seed):
   """``records_per_batch`` records of the slow path from a rollout of the batch's first rows
-  (``hidden`` [R, M, D], its ``tokens`` and ``lengths``): ``trainer_records.from_hidden`` with
-  the candidates coupled as the tree ranks them (``params``: the decoder's)."""
-  rows = tokens.shape[0]
+  (``hidden`` [R, M, D], its ``tokens`` and ``lengths``; never more anchors than the R x M the
+  rollout can hold): ``trainer_records.from_hidden`` with the candidates coupled as the tree
+  ranks them (``params``: the decoder's)."""
+  rows, m = tokens.shape
   key = jax.random.fold_in(jax.random.key(seed), int(adapt.batches))
   return _trainer_records.from_hidden(
       adapt.config.reflex, sr.config, params, adapt.heads, hidden, tokens, lengths,
       jnp.asarray(batch.lengths[:rows]), sampling=sr.sampling, key=key,
-      num_anchors=sr.records_per_batch, seed=seed, sample_ids=batch.sample_ids[:rows])
+      num_anchors=min(sr.records_per_batch, rows * m), seed=seed,
+      sample_ids=batch.sample_ids[:rows])
 
 
 def slow_path(sr, params, adapt, batch, out, seconds, seed, step_seconds=None):

@@ -101,6 +101,8 @@ class Plan:
   probe_rows: int
   reflex: str
   choice: tuple[_goodput.BucketChoice, ...] = ()
+  counts: tuple[tuple[int, ...], ...] | None = None  # goodput's program: the node counts each
+  #   bucket fraction can switch between at run time (``SpecConfig.choices``)
 
 
 @dataclasses.dataclass(frozen=True)

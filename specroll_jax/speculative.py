@@ -311,8 +311,8 @@ def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecS
                nodes=None) -> SpecState:
   """Compact into bucket ``bucket`` (static) and loop there until few enough rows are active.
   With ``spec.choices``, ``nodes`` [S] (traced, one count per bucket fraction) picks this
-  bucket's count: a ``lax.switch`` over one step per choice (a count not among them: the plain
-  step)."""
+  bucket's count: a ``lax.switch`` over one step per choice (a count not among them: the
+  bucket's first, its plain step where it has 0)."""
   params = _dec.unstack_layers(params)
   b = state.out.tokens.shape[0]
   shapes = bucket_shapes(spec, proposer, b)
@@ -331,14 +331,13 @@ def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecS
     return spec_step(config, params, proposer, proposer_params, s, eos_ids, seed,
                      settings=settings, num_nodes=num_nodes, bucket=bucket, gate=gate)
 
-  if spec.choices is None:
-    body = lambda s: step(s, n)
+  fraction = _buckets.kept_buckets(b, spec.bucket_fractions)[bucket][1]
+  counts = None if spec.choices is None else [min(c, n) for c in spec.choices[fraction]]
+  if counts is None or len(counts) == 1:
+    body = lambda s: step(s, n if counts is None else counts[0])
   else:
-    counts = [min(c, n) for c in spec.choices]
-    want = jnp.asarray(nodes, jnp.int32)[_buckets.kept_buckets(b, spec.bucket_fractions)[
-        bucket][1]]
-    hit = jnp.asarray(counts, jnp.int32) == want
-    pick = jnp.where(hit.any(), jnp.argmax(hit), counts.index(0) if 0 in counts else 0)
+    hit = jnp.asarray(counts, jnp.int32) == jnp.asarray(nodes, jnp.int32)[fraction]
+    pick = jnp.where(hit.any(), jnp.argmax(hit), 0)  # not compiled for it: the first count
     branches = [functools.partial(step, num_nodes=c) for c in counts]
     body = lambda s: jax.lax.switch(pick, branches, s)
 

@@ -203,3 +203,18 @@ def test_depth_hits_agree_with_hit_rates(trained_model, gsm8k_prompts):
   assert cpl.anchors == det.anchors and cpl.to_dict()["coupled"] is True
   with pytest.raises(ValueError, match="sample_ids has shape"):
     draft_quality.depth_hits(*args[:7], sids[:3], 5, sampling=cfg, coupled=True)
+
+
+def test_specroll_couples_at_t_above_zero_only(random_model):
+  """The object ranks coupled by default (its heads' tree and Reflex alike) and turns coupling off
+  at T = 0, where there is no noise to couple to; ``coupled=False`` is the setting that turns it
+  off for comparison."""
+  from specroll_jax import SpecRoll
+  config, _ = random_model
+  sr = SpecRoll(config, max_new_tokens=8, sampling=SamplingConfig(temperature=1.0))
+  assert sr.heads_tree.coupled and sr.reflex.coupled and sr.merged.heads.coupled
+  greedy = SpecRoll(config, max_new_tokens=8, sampling=SamplingConfig(temperature=0.0))
+  assert not greedy.heads_tree.coupled and not greedy.reflex.coupled
+  off = SpecRoll(config, max_new_tokens=8, heads_tree=RankedHeads(coupled=False))
+  assert not off.reflex.coupled and off.heads_tree.num_bins == 3 * 12
+  assert sr.heads_tree.num_bins == 3 * 4 * 12  # (depth, rank, q bin)

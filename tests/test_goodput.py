@@ -234,6 +234,15 @@ def test_choices_run_any_node_count_per_bucket_from_one_program(trained_model, g
     elif fwd[1] == 0:  # the plain step in the first bucket (2 is not a choice: plain too)
       assert verified[nodes] == 0
   assert executables.programs() == before + 1  # one program for every choice
+  # counts per bucket fraction: the first bucket compiled for the plain step alone (no switch)
+  per = SpecEngine.build(config, proposer=gl, max_new_tokens=24, cache_length=pb.cache_length,
+                         sampling=sampling, kernels="reference", spec=SpecConfig(
+                             bucket_fractions=(1.0, 0.5), choices=((0,), (0, 3))))
+  assert per.spec.choices == ((0,), (0, 3))
+  out = executables.run(per, params, gl.context(), pb.device(3), np.asarray((3, 3), np.int32))
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+  if int(out.stats.spec.bucket_forwards[1]) == 0:  # (3 is not a count of the first bucket)
+    assert int(out.stats.spec.nodes_verified) == 0
   with pytest.raises(ValueError, match="nodes must hold one count per bucket fraction"):
     engine(params, gl.context(), pb.device(3), np.zeros((3,), np.int32))
   with pytest.raises(ValueError, match="goes with SpecConfig.choices"):
@@ -242,3 +251,5 @@ def test_choices_run_any_node_count_per_bucket_from_one_program(trained_model, g
     SpecConfig(bucket_fractions=(1.0,), choices=(0, 2), nodes=(2,))
   with pytest.raises(ValueError, match="SpecConfig.choices must be distinct"):
     SpecConfig(choices=(2, 0))
+  with pytest.raises(ValueError, match="or one per bucket fraction"):
+    SpecConfig(bucket_fractions=(1.0, 0.5), choices=((0,), (0, 2), (0, 4)))

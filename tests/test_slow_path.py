@@ -760,7 +760,7 @@ def test_main_job_slow_path_settings(tmp_path):
   from conftest import load_script
   mod = load_script("gsm8k.py")
   cfg = mod.run_config(mod.parse(["--records-per-batch", "64"]), rollout_kind="specroll")
-  learn = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.002, learn_budget=0.05,
+  learn = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.01, learn_budget=0.05,
                collapse_acceptance=0.02, tv_weight=1.0)
   assert cfg.slow == sp.SlowPathConfig.for_small_models(**learn)
   assert cfg.records_per_batch == 64

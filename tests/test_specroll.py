@@ -130,9 +130,18 @@ def test_no_compile_after_the_first_batch_whatever_goodput_chooses(setup):
   van = _vanilla(config, params, batch, 7)
   e = lambda x: jnp.asarray(np.r_[0.0, np.full(len(np.asarray(state.expected)) - 1, x)],
                             jnp.float32)
+  plan = sr.plan(state.replace(expected=e(0.6)), batch)
+  assert plan.counts == ((0, 4), (0, 4))  # both buckets could pay with every node accepted
+  steep = cost.__class__(rows=(8, 4), node_counts=(0, 4), seconds=((1.0, 6.0), (0.5, 0.55)))
+  assert sr.plan(state.replace(cost=steep, expected=e(0.6)), batch).counts == ((0,), (0, 4))
   out, st = sr.generate(params, batch, state.replace(expected=e(0.6)), seed=7)
   assert out.report.mode == "speculative" and out.report.nodes == (0, 4)
   assert out.report.compile_seconds > 0  # the first batch: the warm-up
+  sp = out.stats.spec  # the trees' tau: the tokens and row-forwards of the bucket with trees
+  fwd = np.asarray(sp.bucket_row_forwards)
+  if fwd[1] > 0:
+    assert out.report.probe_tau == pytest.approx(int(sp.bucket_tokens[1]) / fwd[1])
+  assert int(np.asarray(sp.bucket_tokens).sum()) + len(batch) == int(out.stats.tokens)
   for x, nodes in ((3.0, (4, 4)), (0.6, (0, 4))):
     out, _ = sr.generate(params, batch, st.replace(expected=e(x)), seed=7)
     assert out.report.nodes == nodes and out.report.compile_seconds == 0.0

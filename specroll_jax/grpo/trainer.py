@@ -161,7 +161,9 @@ class Warmup:
 class GRPOTrainer:
   """The step of a run (``grpo.loop.RunConfig``) with its fixed context: the model config, the
   tokenizer, the compiled train step over the default mesh, the rollout (the ``SpecRoll`` object,
-  the static heads or the vanilla engine) and this process's rows. Holds no state between calls.
+  the static heads or the vanilla engine) and this process's rows. Holds no state between calls
+  but one timing: the last step's seconds, which the ``SpecRoll`` object's learning may spend a
+  share of (``SpecRoll.generate``'s ``step_seconds``).
 
   ``init(train_state)`` -> the first ``LoopState``; ``step(state, batch)`` -> (state,
   ``StepResult``); ``warmup(state, batch)`` compiles both programs without changing ``state``.
@@ -188,6 +190,7 @@ class GRPOTrainer:
       self.static = _adapt.heads_proposer(_adapt.AdaptationConfig(), heads)
     self.sr = specroll_for(run, config, prompt_width) if run.rollout == "specroll" else None
     self._heads = heads
+    self._step_seconds = None  # the last step's (timing only: the heads' learning budget)
 
   def init(self, train: TrainState) -> LoopState:
     """The state of step 0: ``train`` replicated over the mesh, a fresh ``SpecRoll`` state."""
@@ -239,7 +242,7 @@ class GRPOTrainer:
       g = run.grpo.group_size
       prompts = [toks[i, : lens[i]] for i in range(0, len(toks), g)]
       return self.sr.generate(params, self.sr.batch(prompts, sids[::g] // g), sr_state,
-                              seed=run.seed)
+                              seed=run.seed, step_seconds=self._step_seconds)
     kw = dict(sampling=run.grpo.sampling, max_new_tokens=run.max_new_tokens, seed=run.seed,
               sample_ids=sids, eos_ids=self.tok.eos_ids, prompt_lengths=lens)
     opts = _rollout.DecodeOptions(cache_length=self.cache_length, kernels=run.kernels)
@@ -319,6 +322,7 @@ class GRPOTrainer:
         prompt_ids=np.where(np.arange(toks.shape[1])[None] < lens[:, None], toks, -1),
         tokens=np.where(np.arange(out_toks.shape[1])[None] < out_lens[:, None], out_toks, -1),
         lengths=out_lens, rewards=rewards, logprobs=logprobs, advantages=adv)
+    self._step_seconds = metrics.step_seconds
     new = LoopState(train=train, specroll=state.specroll if sr_state is None else sr_state,
                     step=state.step + 1)
     return new, StepResult(metrics=metrics, rows=rows)

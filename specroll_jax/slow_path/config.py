@@ -237,10 +237,10 @@ class SlowPathConfig:
   def for_model(cls, config, **kw) -> SlowPathConfig:
     """The slow path for a model of ``config``'s size, as ``SpecRoll`` runs it: the heads learn
     from the start (brought from elsewhere, or fresh) in a learning phase of at least 2
-    refreshes that goes on while each refit lowers the held-out TV by 0.2% or more, each refresh
+    refreshes that goes on while each refit lowers the held-out TV by 1% or more, each refresh
     within 5% of the step around its rollout (``SpecRoll.generate``'s ``step_seconds``, else the
     rollout's seconds; at most 20 steps); then refreshed on sustained degradation, a refresh
-    that pays 0.2% starting a new phase; head 1's acceptance below 0.02 is
+    that pays 1% starting a new phase; head 1's acceptance below 0.02 is
     a collapse that refits at once; the refresh's loss has the TV term (``tv_weight=1``: what
     coupled drafts are accepted by). :meth:`for_small_models` for a model of hidden size below
     512 (the embedded one), the defaults (sized for 1.5B-parameter heads) otherwise."""
@@ -249,7 +249,7 @@ class SlowPathConfig:
   @classmethod
   def for_hidden_size(cls, hidden_size: int, **kw) -> SlowPathConfig:
     """:meth:`for_model` of a model whose hidden size is ``hidden_size``."""
-    base = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.002, learn_budget=0.05,
+    base = dict(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.01, learn_budget=0.05,
                 collapse_acceptance=0.02, tv_weight=1.0)
     base.update(kw)
     if hidden_size < 512:
