@@ -109,13 +109,18 @@ def part_hits(a, config, params, tok, shipped):
       data = held_out(a, config, params, tok, task, t)
       for name, hd in heads.items():
         for coupled in (False, True):
-          row = {"task": task, "T": t, "heads": name,
-                 **_hits_row(config, params, hd, data, t, a.seed, coupled)}
-          rows.append(row)
-          print(f"  {task} T={t} {name} {'coupled' if coupled else 'deterministic'}: "
-                f"depth-1 top-1 {row['top1'][0]:.3f}, top-4 {row['top4'][0]:.3f}, "
-                f"chain tau {row['chain_tau4']:.3f}", flush=True)
+          rows.append(_logged(f"{task} T={t} {name}", {
+              "task": task, "T": t, "heads": name,
+              **_hits_row(config, params, hd, data, t, a.seed, coupled)}))
   return rows
+
+
+def _logged(label: str, row: dict) -> dict:
+  """``row`` (a ``_hits_row``), after one line of it on stdout."""
+  print(f"  {label} {'coupled' if row['coupled'] else 'deterministic'}: depth-1 top-1 "
+        f"{row['top1'][0]:.3f}, top-4 {row['top4'][0]:.3f}, chain tau {row['chain_tau4']:.3f}",
+        flush=True)
+  return row
 
 
 def part_loss(a, config, params, tok, shipped):
@@ -124,11 +129,8 @@ def part_loss(a, config, params, tok, shipped):
   for w in a.tv_weights:
     hd = fitted(a, config, params, tok, shipped, "gsm8k", w)
     for coupled in (False, True):
-      row = {"tv_weight": w, **_hits_row(config, params, hd, data, 1.0, a.seed, coupled)}
-      rows.append(row)
-      print(f"  tv_weight {w} {'coupled' if coupled else 'deterministic'}: depth-1 top-1 "
-            f"{row['top1'][0]:.3f}, top-4 {row['top4'][0]:.3f}, chain tau "
-            f"{row['chain_tau4']:.3f}", flush=True)
+      rows.append(_logged(f"tv_weight {w}", {
+          "tv_weight": w, **_hits_row(config, params, hd, data, 1.0, a.seed, coupled)}))
   return rows
 
 
