@@ -23,6 +23,7 @@ from specroll_jax import cond_heads as _cond
 from specroll_jax import heads as _heads
 from specroll_jax import sampling as _sampling
 from specroll_jax._fields import int_arg
+from specroll_jax.proposers.ranked_heads import q_bin
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,9 +94,7 @@ def depth_hits(config, params, heads, tokens, lengths, hidden, prompt_lengths, s
     logits = _head_logits(config, params, heads, h, c)  # [A, K, V]
     keys, lq = _sampling.draft_keys(logits, sampling, seed, s[:, None], p, coupled=coupled)
     _, ids = jax.lax.top_k(keys, top)  # [A, K, top]
-    q = jnp.exp(jnp.take_along_axis(lq, ids, axis=-1))
-    b_ = jnp.clip(jnp.floor(-2.0 * jnp.log2(jnp.maximum(q, 1e-30))), 0, q_bins - 1)
-    return ids == lab[..., None], b_.astype(jnp.int32)
+    return ids == lab[..., None], q_bin(jnp.exp(jnp.take_along_axis(lq, ids, axis=-1)), q_bins)
 
   hits, bins = [], []
   for i in range(0, len(anchor), batch):
