@@ -194,7 +194,7 @@ def fit_cost(rows, node_counts, measured, machine: str = "") -> CostModel:
   return CostModel(rows=kept, node_counts=nodes, seconds=table.tolist(), machine=machine)
 
 
-_CACHE_VERSION = 3  # 3: per-layer weights made outside the timed programs (2: 3 points)
+_CACHE_VERSION = 4  # 4: up to 6 points, piecewise (3: per-layer weights outside the programs)
 
 
 def _cache_key(config, proposer, settings: DecodeSettings, rows, node_counts, prompt_width):
