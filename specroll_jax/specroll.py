@@ -510,7 +510,8 @@ class SpecRoll:
     tokens are the vanilla engine's whatever the plan. ``step_seconds``: the seconds of the
     training step around the rollouts as the caller measures it (rollout, rewards, update; e.g.
     the previous step's), what a learning refresh of the heads may spend a share of
-    (``SlowPathConfig.learn_budget``); None: the rollout's own seconds."""
+    (``SlowPathConfig.learn_budget``), times the batches since the last that verified trees;
+    None: the rollout's own seconds."""
     self.check_state(state)
     if step_seconds is not None:
       step_seconds = float_arg(step_seconds, "step_seconds", 0)

@@ -71,8 +71,10 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
   was_learning = adapt is not None and int(adapt.slow.monitor.learning) > 0
   if (adapt is not None and adapt.config.slow.mode != "off" and spec is not None
       and spec.hidden is not None):  # records from the rows that verified trees
-    step = None if step_seconds is None else distributed.all_max(step_seconds)
-    adapt, slow, counts = slow_path(sr, params, adapt, batch, spec, seconds, seed, step)
+    # the learning's budget: its share of the batches since the last that verified trees
+    around = seconds if step_seconds is None else distributed.all_max(step_seconds)
+    adapt, slow, counts = slow_path(sr, params, adapt, batch, spec, seconds, seed,
+                                    float(around) * batches_since_trees(state))
     events = slow_events(slow, was_learning)
   acc = ()
   if spec is not None:  # over every process's rows
@@ -136,6 +138,15 @@ def draw_records(sr, params, adapt, batch, hidden, tokens, lengths, seed):
       jnp.asarray(batch.lengths[:rows]), sampling=sr.sampling, key=key,
       num_anchors=min(sr.records_per_batch, rows * m), seed=seed,
       sample_ids=batch.sample_ids[:rows])
+
+
+def batches_since_trees(state: SpecRollState) -> int:
+  """The batches since the last that verified trees (a probe's or goodput's), this one included:
+  1 when that was the previous batch (or there was none); the gap between probes where only
+  probes verify trees (``next_probe`` is that batch plus ``probe_gap``, at least 1)."""
+  b = int(state.batches)
+  last = int(state.next_probe) - max(int(state.probe_gap), 1)
+  return max(1, min(b - last, b + 1))
 
 
 def slow_path(sr, params, adapt, batch, out, seconds, seed, step_seconds=None):

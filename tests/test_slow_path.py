@@ -183,6 +183,42 @@ def test_learning_goes_on_while_refits_pay_and_ends_when_they_stop():
   assert reasons[3:6] == ["calibrating"] * 3 and int(m.learn_end) == 3
 
 
+def test_learning_is_judged_over_bootstrap_steps_of_refreshes():
+  """Refreshes held to a few steps each (a small budget) are judged together: learning goes on
+  until their steps since the last verdict reach ``bootstrap_steps``, and then on only if their
+  compounded held-out TV drop reaches ``learn_gain``; a refresh of ``bootstrap_steps`` steps is
+  judged alone."""
+  from specroll_jax.slow_path import _learn_after
+  from specroll_jax.slow_path.config import _R
+  cfg = MON_CFG.replace(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.01)
+  m = sp.monitor_init(cfg, K)
+  flags = []
+  for gain in [0.002] * 10 + [0.0005] * 10:  # 2 steps each: a verdict every 10 refreshes
+    m = _learn_after(cfg, m, _R["bootstrap"] if int(m.learn_refreshes) < 2 else _R["learning"],
+                     2, gain)
+    flags.append(int(m.learning))
+  # 1 - 0.998 ** 10 = 0.0198 pays at the first verdict; 1 - 0.9995 ** 10 = 0.005 does not
+  assert flags == [1] * 19 + [0], flags
+  assert int(m.learn_steps) == 0 and float(m.learn_keep) == 1.0
+  m = sp.monitor_init(cfg, K)
+  for gain in (0.5, 0.5, 0.005):  # whole refreshes: the third is judged alone and ends it
+    m = _learn_after(cfg, m, _R["bootstrap"] if int(m.learn_refreshes) < 2 else _R["learning"],
+                     20, gain)
+  assert int(m.learning) == 0 and int(m.learn_refreshes) == 3
+
+
+def test_a_probes_refresh_spends_the_budget_of_the_batches_since_the_last_trees():
+  from types import SimpleNamespace
+  from specroll_jax.specroll_fold import batches_since_trees
+  st = lambda b, nxt, gap: SimpleNamespace(batches=b, next_probe=nxt, probe_gap=gap)
+  assert batches_since_trees(st(0, 0, 4)) == 1  # the first batch
+  assert batches_since_trees(st(4, 4, 4)) == 4  # a probe every 4 batches
+  assert batches_since_trees(st(20, 20, 16)) == 16  # probes backed off to every 16
+  assert batches_since_trees(st(7, 7, 1)) == 1  # trees every batch
+  assert batches_since_trees(st(7, 7, 0)) == 1  # (no probes: goodput's trees every batch)
+  assert batches_since_trees(st(9, 7, 4)) == 6  # goodput's trees after a stretch of vanilla
+
+
 def test_learning_steps_fit_the_budget_and_a_collapse_refits_and_learns():
   """A learning refresh takes the steps that fit ``learn_budget`` of the batch's rollout at the
   last refresh's seconds per step; head 1's acceptance near nothing over enough records is a

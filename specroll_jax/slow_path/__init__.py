@@ -151,19 +151,29 @@ def _learn_after(cfg: SlowPathConfig, m: MonitorState, reason: int, steps: int,
                  gain: float) -> MonitorState:
   """The learning phase after a refresh of ``steps`` steps whose decision was ``reason`` and
   whose held-out gain was ``gain`` (host numbers): a phase goes on for its first refreshes
-  (``bootstrap_batches`` in the first phase, 1 in later ones) and then while refits pay
-  (``learn_gain``); a refresh after sustained degradation that pays starts a new phase."""
+  (``bootstrap_batches`` in the first phase, 1 in later ones) and then while refits pay: the
+  verdict falls once the phase's refreshes since the last one hold at least ``bootstrap_steps``
+  optimiser steps (a refresh held to a small budget takes a few), and learning goes on when
+  together they lowered the held-out TV by ``learn_gain`` (relative, compounded). A refresh
+  after sustained degradation that pays ``learn_gain`` starts a new phase."""
   n = int(m.learn_refreshes) + 1
   learning, phases, count = int(m.learning), int(m.phases), int(m.learn_refreshes)
-  pays = cfg.learn_gain > 0 and gain >= cfg.learn_gain
+  window, keep = int(m.learn_steps), float(m.learn_keep)
   if reason in _LEARN:
     least = cfg.bootstrap_batches if phases == 1 and reason != _R["collapse"] else 1
-    learning, count = int(n < least or pays), n
-  elif reason == _R["sustained_degradation"] and pays:  # a task shift, a drifting policy
-    learning, phases, count = 1, phases + 1, 0
+    window, keep = window + int(steps), keep * (1.0 - float(gain))
+    judged = window >= (cfg.bootstrap_steps or cfg.refresh_steps)
+    pays = cfg.learn_gain > 0 and 1.0 - keep >= cfg.learn_gain
+    learning = int(n < least or (cfg.learn_gain > 0 and (pays or not judged)))
+    count = n
+    if judged or not learning:
+      window, keep = 0, 1.0
+  elif reason == _R["sustained_degradation"] and cfg.learn_gain > 0 and gain >= cfg.learn_gain:
+    learning, phases, count, window, keep = 1, phases + 1, 0, 0, 1.0  # a task shift, a drift
   i32 = lambda v: jnp.asarray(np.int32(v))
   return m.replace(learning=i32(learning), phases=i32(phases), learn_refreshes=i32(count),
-                   last_refresh_steps=i32(steps))
+                   last_refresh_steps=i32(steps), learn_steps=i32(window),
+                   learn_keep=jnp.asarray(np.float32(keep)))
 
 
 def _commit(state: SlowPathState, r: RefreshResult, seconds: float) -> SlowPathState:

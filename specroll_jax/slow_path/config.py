@@ -86,18 +86,23 @@ class SlowPathConfig:
     the monitor calibrates: heads brought from another task, an earlier policy or a cold start
     are fitted to this target first, where a baseline taken from them would call their error
     normal. The phase runs ``bootstrap_batches`` refreshes and then, with ``learn_gain`` > 0, as
-    long as each refresh still lowers the heads' held-out sparse TV by at least ``learn_gain``
-    (relative): learning goes on while a refit pays. A batch without records (one whose rollout
-    verified no tree and ran no probe) neither refreshes nor ends the phase. The calibration
-    window starts when the phase ends. 0 (default): no bootstrap. bootstrap_steps: optimiser
-    steps of a learning refresh (0: ``refresh_steps``; with ``learn_budget``, the most).
+    long as refits still lower the heads' held-out sparse TV by at least ``learn_gain``
+    (relative), judged over every ``bootstrap_steps`` optimiser steps of its refreshes (their
+    gains compounded: a refresh held to a small budget takes a few steps, and a few steps from a
+    cold start move little): learning goes on while a refit pays. A batch without records (one
+    whose rollout verified no tree and ran no probe) neither refreshes nor ends the phase. The
+    calibration window starts when the phase ends. 0 (default): no bootstrap. bootstrap_steps:
+    optimiser steps of a learning refresh (0: ``refresh_steps``; with ``learn_budget``, the
+    most).
   learn_gain: the relative held-out TV drop (mean over the refreshed heads, a rolled-back head
     counting 0) that keeps a learning phase going past its first refreshes, and that turns a
     refresh after sustained degradation into a new learning phase (a task shift, a drifting
     policy). 0: phases of exactly ``bootstrap_batches`` refreshes, no new phase.
-  learn_budget: a learning refresh's seconds at most this share of its batch's rollout seconds:
-    its steps are what fits at the last refresh's seconds per step (at least 1, at most
-    ``bootstrap_steps``); 0: ``bootstrap_steps`` every time.
+  learn_budget: a learning refresh's seconds at most this share of the seconds around the
+    rollouts since the previous refresh (the caller's step seconds, else the rollout's, times the
+    batches since then: where only probes hand out records, a probe's refresh spends the share
+    of the batches between probes): its steps are what fits at the last refresh's seconds per
+    step (at least 1, at most ``bootstrap_steps``); 0: ``bootstrap_steps`` every time.
   collapse_acceptance: head 1's acceptance (its records' hit rate) below this, over at least
     ``collapse_records`` records, is a collapse (heads of another model, a corrupted head file,
     stale heads after a large policy step): every head with records refreshes at once (reason
