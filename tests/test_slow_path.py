@@ -209,6 +209,7 @@ def test_learning_is_judged_over_bootstrap_steps_of_refreshes():
 
 def test_a_probes_refresh_spends_the_budget_of_the_batches_since_the_last_trees():
   from types import SimpleNamespace
+
   from specroll_jax.specroll_fold import batches_since_trees
   st = lambda b, nxt, gap: SimpleNamespace(batches=b, next_probe=nxt, probe_gap=gap)
   assert batches_since_trees(st(0, 0, 4)) == 1  # the first batch
