@@ -222,8 +222,9 @@ def test_a_probes_refresh_spends_the_budget_of_the_batches_since_the_last_trees(
 
 def test_learning_steps_fit_the_budget_and_a_collapse_refits_and_learns():
   """A learning refresh takes the steps that fit ``learn_budget`` of the batch's rollout at the
-  last refresh's seconds per step; head 1's acceptance near nothing over enough records is a
-  collapse: every head with records refreshes and a learning phase starts."""
+  last refresh's seconds per step, and waits where that is no step; head 1's acceptance near
+  nothing over enough records is a collapse: every head with records refreshes and a learning
+  phase starts."""
   cfg = MON_CFG.replace(bootstrap_batches=1, bootstrap_steps=20, learn_budget=0.05,
                         collapse_acceptance=0.02, collapse_records=16, calibration_batches=2)
   upd = jax.jit(sp.monitor_update, static_argnums=0)
@@ -240,6 +241,14 @@ def test_learning_steps_fit_the_budget_and_a_collapse_refits_and_learns():
   assert int(d.steps) == 18  # the step around the rollout (4 s) bounds it when given
   m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(100.0))
   assert int(d.steps) == 20  # at most bootstrap_steps
+  # past the bootstrap, a budget that holds no step (0.05 * 0.5 s: 2.5 passes) waits; the records
+  # stay for the next refresh
+  m = m.replace(learn_refreshes=jnp.int32(1))
+  m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(0.5))
+  assert sp.REASONS[int(d.reason)] == "learning" and not np.asarray(d.refresh).any()
+  assert float(m.since_n.sum()) > 0 and int(m.learning) == 1
+  m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(0.8))  # 4 passes: 2 steps
+  assert np.asarray(d.refresh).all() and int(d.steps) == 2
   m = m.replace(learning=jnp.int32(0))
   for _ in range(4):  # calibrated and healthy
     m, d = upd(cfg, m, tv, jnp.full((K,), 0.6), n, jnp.float32(2.0))

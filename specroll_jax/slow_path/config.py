@@ -102,7 +102,8 @@ class SlowPathConfig:
     rollouts since the previous refresh (the caller's step seconds, else the rollout's, times the
     batches since then: where only probes hand out records, a probe's refresh spends the share
     of the batches between probes): its steps are what fits at the last refresh's seconds per
-    step (at least 1, at most ``bootstrap_steps``); 0: ``bootstrap_steps`` every time.
+    step (at most ``bootstrap_steps``; where that is no step, a learning refresh past the
+    bootstrap waits and its records stay in the reservoir); 0: ``bootstrap_steps`` every time.
   collapse_acceptance: head 1's acceptance (its records' hit rate) below this, over at least
     ``collapse_records`` records, is a collapse (heads of another model, a corrupted head file,
     stale heads after a large policy step): every head with records refreshes at once (reason

@@ -157,6 +157,10 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
                       / jnp.maximum(per_step, 1e-9)) - 2
       learn_steps = jnp.where(m.last_refresh_steps > 0, jnp.clip(fit, 1, most),
                               1).astype(jnp.int32)
+      # a learning refresh whose budget holds no step waits (its records stay in the reservoir);
+      # the bootstrap's refreshes, a collapse's and the first (which times a step) run anyway
+      afford = (fit >= 1) | (m.last_refresh_steps == 0) | first | enter
+      refresh = jnp.where(booting, refresh & afford, refresh)
     steps = jnp.where(booting, learn_steps, steps)
   fired = refresh.any()
   monitor = MonitorState(
