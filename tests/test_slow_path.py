@@ -199,7 +199,7 @@ def test_learning_is_judged_over_bootstrap_steps_of_refreshes():
     flags.append(int(m.learning))
   # 1 - 0.998 ** 10 = 0.0198 pays at the first verdict; 1 - 0.9995 ** 10 = 0.005 does not
   assert flags == [1] * 19 + [0], flags
-  assert int(m.learn_steps) == 0 and float(m.learn_keep) == 1.0
+  assert int(m.verdict_steps) == 0 and float(m.verdict_keep) == 1.0
   m = sp.monitor_init(cfg, K)
   for gain in (0.5, 0.5, 0.005):  # whole refreshes: the third is judged alone and ends it
     m = _learn_after(cfg, m, _R["bootstrap"] if int(m.learn_refreshes) < 2 else _R["learning"],

@@ -158,7 +158,7 @@ def _learn_after(cfg: SlowPathConfig, m: MonitorState, reason: int, steps: int,
   after sustained degradation that pays ``learn_gain`` starts a new phase."""
   n = int(m.learn_refreshes) + 1
   learning, phases, count = int(m.learning), int(m.phases), int(m.learn_refreshes)
-  window, keep = int(m.learn_steps), float(m.learn_keep)
+  window, keep = int(m.verdict_steps), float(m.verdict_keep)
   if reason in _LEARN:
     least = cfg.bootstrap_batches if phases == 1 and reason != _R["collapse"] else 1
     window, keep = window + int(steps), keep * (1.0 - float(gain))
@@ -172,8 +172,8 @@ def _learn_after(cfg: SlowPathConfig, m: MonitorState, reason: int, steps: int,
     learning, phases, count, window, keep = 1, phases + 1, 0, 0, 1.0  # a task shift, a drift
   i32 = lambda v: jnp.asarray(np.int32(v))
   return m.replace(learning=i32(learning), phases=i32(phases), learn_refreshes=i32(count),
-                   last_refresh_steps=i32(steps), learn_steps=i32(window),
-                   learn_keep=jnp.asarray(np.float32(keep)))
+                   last_refresh_steps=i32(steps), verdict_steps=i32(window),
+                   verdict_keep=jnp.asarray(np.float32(keep)))
 
 
 def _commit(state: SlowPathState, r: RefreshResult, seconds: float) -> SlowPathState:

@@ -26,7 +26,7 @@ def monitor_init(cfg: SlowPathConfig, num_heads: int) -> MonitorState:
       last_refresh_steps=scalar(jnp.int32),
       learning=jnp.int32(1 if cfg.bootstrap_batches > 0 and cfg.mode != "off" else 0),
       learn_refreshes=scalar(jnp.int32), learn_end=scalar(jnp.int32),
-      learn_steps=scalar(jnp.int32), learn_keep=jnp.ones((), f32),
+      verdict_steps=scalar(jnp.int32), verdict_keep=jnp.ones((), f32),
       phases=jnp.int32(1 if cfg.bootstrap_batches > 0 and cfg.mode != "off" else 0))
 
 
@@ -175,8 +175,8 @@ def monitor_update(cfg: SlowPathConfig, m: MonitorState, tv: Float[Array, " K"],
       learning=jnp.where(booting, 1, m.learning).astype(jnp.int32),
       learn_refreshes=jnp.where(enter, 0, m.learn_refreshes).astype(jnp.int32),
       learn_end=learn_end.astype(jnp.int32),
-      learn_steps=jnp.where(enter, 0, m.learn_steps).astype(jnp.int32),
-      learn_keep=jnp.where(enter, 1.0, m.learn_keep).astype(f32),
+      verdict_steps=jnp.where(enter, 0, m.verdict_steps).astype(jnp.int32),
+      verdict_keep=jnp.where(enter, 1.0, m.verdict_keep).astype(f32),
       phases=(m.phases + enter).astype(jnp.int32))
   return monitor, Decision(refresh=refresh, steps=jnp.asarray(steps, jnp.int32), reason=reason,
                            checked=checked, degraded=degraded, z=z)

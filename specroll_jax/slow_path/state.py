@@ -37,8 +37,8 @@ class MonitorState:
   phases: Int[Array, ""]  # learning phases begun (the first is the bootstrap)
   learn_end: Int[Array, ""]  # ``batches`` when the last learning phase ended (the calibration's
   #                           clock starts there)
-  learn_steps: Int[Array, ""]  # a learning phase's optimiser steps since its last verdict
-  learn_keep: Float[Array, ""]  # ... and the held-out TV they kept (product of 1 - gain)
+  verdict_steps: Int[Array, ""]  # a learning phase's optimiser steps since its last verdict
+  verdict_keep: Float[Array, ""]  # ... and the held-out TV they kept (product of 1 - gain)
 
 
 @flax.struct.dataclass
