@@ -50,12 +50,25 @@ def init_carry(rows):
   return neg, jnp.zeros((rows, 1), jnp.int32), neg, neg, jnp.zeros((rows, 1), jnp.float32)
 
 
-def combine(best_z, best_id, best_x, m, den):
-  """Combine per-split partials [S, R, 1] -> (tokens [R] int32, logprobs [R] f32)."""
+def merge(best_z, best_id, best_x, m, den):
+  """Merge per-split partials [S, R, 1] into one partial per row: five [R] arrays (best perturbed
+  value, its id (lowest on ties), its x, max of x, sum of exp(x - max)). Vocabulary shards merge
+  the same way across devices (``finish`` then gives the token and logprob)."""
   z = jnp.max(best_z, axis=0, keepdims=True)
   tok = jnp.min(jnp.where(best_z == z, best_id, BIG_ID), axis=0, keepdims=True)
   x_tok = jnp.max(jnp.where((best_id == tok) & (best_z == z), best_x, NEG), axis=0)
   m_max = lax.optimization_barrier(jnp.max(m, axis=0, keepdims=True))  # as in _flash.combine
-  lse = m_max[0] + jnp.log(jnp.sum(den * jnp.exp(m - m_max), axis=0))
-  return tok[0, :, 0], (x_tok - lse)[:, 0]
+  den = jnp.sum(den * jnp.exp(m - m_max), axis=0)
+  return z[0, :, 0], tok[0, :, 0], x_tok[:, 0], m_max[0, :, 0], den[:, 0]
+
+
+def finish(best_z, best_id, best_x, m, den):
+  """(tokens [R] int32, logprobs [R] f32) of merged partials."""
+  del best_z
+  return best_id, best_x - (m + jnp.log(den))
+
+
+def combine(*partials):
+  """Combine per-split partials [S, R, 1] -> (tokens [R] int32, logprobs [R] f32)."""
+  return finish(*merge(*partials))
 

@@ -44,7 +44,7 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels._backend import BACKENDS, resolve_backend
-from pallas_kernels._sampler_math import contract
+from pallas_kernels._sampler_math import BIG_ID, NEG, contract, finish
 from pallas_kernels._shapes import float_arg as _float_arg
 from pallas_kernels._shapes import int_arg as _int_arg
 from pallas_kernels._shapes import is_pow2 as _is_pow2
@@ -58,7 +58,8 @@ from pallas_kernels.fused_sampler_triton import _fused_sample_triton
 _TPU_VMEM_BUDGET = 12 << 20  # double-buffered blocks; under the 16 MiB default scoped VMEM of v5e
 LAYOUTS = ("dv", "vd")
 
-__all__ = ["BACKENDS", "LAYOUTS", "BlockSizes", "fused_sample", "fused_sample_reference"]
+__all__ = ["BACKENDS", "LAYOUTS", "BlockSizes", "finish", "fused_sample", "fused_sample_partials",
+           "fused_sample_reference", "merge_shards"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +98,7 @@ class BlockSizes:
 
 
 def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temperature: float,
-                           unembed_layout: str = "dv"):
+                           unembed_layout: str = "dv", vocab_offset: int = 0):
   """Plain jnp: f32 logits ``hidden @ unembed`` (D contracted on both sides for the [V, D]
   layout, no transpose), tempered by ``inverse_temperature(T)`` (T > 0), Gumbel-max with the
   counter-based noise (lowest id on ties), logprob = x_tok - logsumexp(x).
@@ -111,14 +112,15 @@ def fused_sample_reference(hidden, unembed, seed, sample_ids, positions, *, temp
   z = x
   if temperature > 0:
     key = row_key(seed, sample_ids, positions)[:, None]
-    z = x + gumbel_from_bits(token_bits(key, jnp.arange(x.shape[-1], dtype=jnp.uint32)))
+    ids = jnp.arange(x.shape[-1], dtype=jnp.uint32) + jnp.uint32(vocab_offset)
+    z = x + gumbel_from_bits(token_bits(key, ids))
   m = jnp.max(z, axis=-1, keepdims=True)
   iota = lax.broadcasted_iota(jnp.int32, z.shape, 1)
   tokens = jnp.min(jnp.where(z == m, iota, z.shape[-1]), axis=-1)
   tokens = jnp.where(tokens == z.shape[-1], 0, tokens).astype(jnp.int32)
   lse = jax.nn.logsumexp(x, axis=-1)
   logprobs = jnp.take_along_axis(x, tokens[:, None], axis=-1)[:, 0] - lse
-  return tokens, logprobs
+  return tokens + vocab_offset, logprobs
 
 
 # -------------------------------------------- wrapper ---------------------------------------------
@@ -161,19 +163,20 @@ def _resolve_blocks(bs: BlockSizes, backend: str, interpret: bool, r: int, d_mod
 
 @functools.partial(jax.jit, static_argnames=("temperature", "backend", "block_sizes", "interpret",
                                              "layout"))
-def _fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature, backend,
-                  block_sizes, interpret, layout):
+def _fused_partials(hidden, unembed, seed, sample_ids, positions, vocab_offset, *, temperature,
+                    backend, block_sizes, interpret, layout):
   r = hidden.shape[0]
   rp = _round_up(r, block_sizes.block_r)
   pad = lambda a: jnp.pad(a, ((0, rp - r),) + ((0, 0),) * (a.ndim - 1))
   hidden = pad(hidden.astype(unembed.dtype))
   seeds = jnp.broadcast_to(jnp.asarray(seed).astype(jnp.uint32), (rp, 1))
+  offs = jnp.broadcast_to(jnp.asarray(vocab_offset).astype(jnp.int32), (rp, 1))
   sids = pad(sample_ids.astype(jnp.int32)[:, None])
   pos = pad(positions.astype(jnp.int32)[:, None])
   impl = _fused_sample_triton if backend == "triton" else _fused_sample_tpu
-  tokens, logprobs = impl(seeds, sids, pos, hidden, unembed, temperature=temperature,
-                          bs=block_sizes, interpret=interpret, layout=layout)
-  return tokens[:r], logprobs[:r]
+  parts = impl(seeds, sids, pos, offs, hidden, unembed, temperature=temperature,
+               bs=block_sizes, interpret=interpret, layout=layout)
+  return tuple(p[:r] for p in parts)
 
 
 def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: float,
@@ -190,6 +193,23 @@ def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: f
   interpreter (CPU tests). Raises ValueError before tracing on bad shapes, dtypes, temperature or
   block sizes that break the backend's tiling rule.
   """
+  return finish(*fused_sample_partials(
+      hidden, unembed, seed, sample_ids, positions, temperature=temperature,
+      block_sizes=block_sizes, backend=backend, interpret=interpret,
+      unembed_layout=unembed_layout))
+
+
+def fused_sample_partials(hidden, unembed, seed, sample_ids, positions, *, temperature: float,
+                          vocab_offset=0, block_sizes: BlockSizes | None = None,
+                          backend: str = "auto", interpret: bool = False,
+                          unembed_layout: str = "dv"):
+  """The fused sampler over one slice of the vocabulary: ``unembed`` holds the columns (rows for
+  "vd") of token ids ``vocab_offset`` .. ``vocab_offset + V - 1`` (a vocabulary-sharded
+  unembedding's shard; ``vocab_offset`` may be traced, e.g. ``lax.axis_index`` times V). Returns
+  five [R] arrays per row (best x + noise, its global id, its x, max x, sum exp(x - max)) that
+  ``merge_shards`` combines across slices into exactly the token one device samples over the
+  whole vocabulary (the noise of a token is that of its global id; lowest id on ties); ``finish``
+  turns one (merged) partial into (tokens, logprobs). Arguments as ``fused_sample``."""
   backend = resolve_backend(backend, interpret)
   t = _float_arg(temperature, "fused_sample: temperature", 0)
   if unembed_layout not in LAYOUTS:
@@ -223,6 +243,23 @@ def fused_sample(hidden, unembed, seed, sample_ids, positions, *, temperature: f
     raise ValueError(f"fused_sample: block_sizes must be a fused_sampler.BlockSizes, got "
                      f"{type(bs).__name__}")
   bs = _resolve_blocks(bs, backend, interpret, r, d_model, jnp.dtype(unembed.dtype).itemsize)
-  return _fused_sample(hidden, unembed, seed, sample_ids, positions, temperature=float(t),
-                       backend=backend, block_sizes=bs, interpret=bool(interpret),
-                       layout=unembed_layout)
+  if jnp.ndim(vocab_offset) != 0:
+    raise ValueError(f"fused_sample: vocab_offset must be a scalar, got shape "
+                     f"{jnp.shape(vocab_offset)}")
+  return _fused_partials(hidden, unembed, seed, sample_ids, positions, vocab_offset,
+                         temperature=float(t), backend=backend, block_sizes=bs,
+                         interpret=bool(interpret), layout=unembed_layout)
+
+
+def merge_shards(partials, axis_name):
+  """Merge ``fused_sample_partials`` of vocabulary shards across the mapped axis ``axis_name``
+  (inside ``shard_map``): the largest perturbed value wins, the lowest global id on ties (the
+  single-device rule), and the logsumexp combines every shard's (max, sum). Returns the merged
+  partial (invariant over the axis); ``finish`` gives (tokens, logprobs)."""
+  z, ids, x, m, den = partials
+  best = lax.pmax(z, axis_name)
+  tok = lax.pmin(jnp.where(z == best, ids, BIG_ID), axis_name)
+  x_tok = lax.pmax(jnp.where((ids == tok) & (z == best), x, NEG), axis_name)
+  m_max = lax.pmax(m, axis_name)
+  den = lax.psum(den * jnp.exp(m - m_max), axis_name)
+  return best, tok, x_tok, m_max, den

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._flash import dot_precision as _dot_precision
-from pallas_kernels._sampler_math import combine, contract, init_carry, tile_update
+from pallas_kernels._sampler_math import contract, init_carry, merge, tile_update
 from pallas_kernels._shapes import cdiv as _cdiv
 from pallas_kernels.counter_hash import row_key
 
@@ -20,10 +20,10 @@ TPU_LANES = 128
 _TPU_VMEM_CAP = 48 << 20  # below the 64 MiB physical VMEM of a v7x TensorCore
 
 
-def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vocab, block_v,
-                tiles_per_split, n_tiles, layout, precision):
-  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, block_v] ("dv") or [block_v, D]
-  # ("vd"); 5 outputs [r, 128] then
+def _tpu_kernel(seed_ref, sid_ref, pos_ref, off_ref, h_ref, w_ref, *refs, temperature, vocab,
+                block_v,                tiles_per_split, n_tiles, layout, precision):
+  # seed_ref, sid_ref, pos_ref, off_ref [r, 1]; h_ref [r, D]; w_ref [D, block_v] ("dv") or
+  # [block_v, D] ("vd"); 5 outputs [r, 128] then
   # 5 scratch [r, 128] (state broadcast over lanes). Grid (row tiles, S, tiles per split).
   outs, scratch = refs[:5], refs[5:]
   s_id, j = pl.program_id(1), pl.program_id(2)
@@ -41,6 +41,7 @@ def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vo
                              preferred_element_type=jnp.float32, precision=precision)
     ids = tile * block_v + lax.broadcasted_iota(jnp.int32, logits.shape, 1)  # full 2-D iota
     ok = ids < vocab  # the partial last block's padding holds garbage: masked by select
+    ids = ids + off_ref[...]  # global ids (a vocabulary shard's offset): the noise's coordinate
     carry = tuple(ref[...][:, :1] for ref in scratch)
     new = tile_update(logits, ids, ok, key, carry, temperature)
     for ref, val in zip(scratch, new, strict=True):
@@ -52,7 +53,8 @@ def _tpu_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *refs, temperature, vo
       o[...] = sc[...]
 
 
-def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret, layout):
+def _fused_sample_tpu(seeds, sids, pos, offs, hidden, unembed, *, temperature, bs, interpret,
+                      layout):
   rp, d_model = hidden.shape
   vocab = unembed.shape[1 if layout == "dv" else 0]
   block_r = bs.block_r
@@ -86,7 +88,7 @@ def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, int
   outs = pl.pallas_call(
       kernel,
       grid=(row_tiles, splits, tps),
-      in_specs=[row_spec, row_spec, row_spec,
+      in_specs=[row_spec, row_spec, row_spec, row_spec,
                 pl.BlockSpec((block_r, d_model), lambda i, s, j: (i, 0)),
                 w_spec],
       out_specs=[out_spec] * 5,
@@ -97,5 +99,5 @@ def _fused_sample_tpu(seeds, sids, pos, hidden, unembed, *, temperature, bs, int
           vmem_limit_bytes=int(min(max(need * 3 // 2, 16 << 20), _TPU_VMEM_CAP))),
       interpret=interpret,
       name="fused_sample_tpu",
-  )(seeds, sids, pos, hidden, unembed)
-  return combine(*(o[..., :1] for o in outs))
+  )(seeds, sids, pos, offs, hidden, unembed)
+  return merge(*(o[..., :1] for o in outs))

@@ -12,16 +12,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 from pallas_kernels._flash import dot_precision as _dot_precision
-from pallas_kernels._sampler_math import combine, contract, init_carry, tile_update
+from pallas_kernels._sampler_math import contract, init_carry, merge, tile_update
 from pallas_kernels._shapes import cdiv as _cdiv
 from pallas_kernels.counter_hash import row_key
 
 _GPU_TARGET_PROGRAMS = 264  # ~2 waves of an H100/H200 (132 SMs)
 
 
-def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperature, vocab,
+def _triton_kernel(seed_ref, sid_ref, pos_ref, off_ref, h_ref, w_ref, *out_refs, temperature, vocab,
                    v_read, block_v, block_d, tiles_per_split, n_tiles, layout, precision):
-  # seed_ref, sid_ref, pos_ref [r, 1]; h_ref [r, D]; w_ref [D, Vp] or [Vp, D] (whole);
+  # seed_ref, sid_ref, pos_ref, off_ref [r, 1]; h_ref [r, D]; w_ref [D, Vp] or [Vp, D] (whole);
   # out_refs 5 x [r, 1]
   s_id = pl.program_id(1)
   rows, d_model = h_ref.shape
@@ -35,6 +35,7 @@ def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperat
     ld = jnp.minimum(start, v_read - block_v)  # last tile shifted back to end inside the array
     ids = ld + iota
     ok = (ids >= start) & (ids < vocab)  # not seen in the previous tile, not padding
+    ids = ids + off_ref[...]  # global ids (a vocabulary shard's offset): the noise's coordinate
 
     def d_chunk(c, acc):
       d0 = pl.multiple_of(c * block_d, block_d)
@@ -55,7 +56,8 @@ def _triton_kernel(seed_ref, sid_ref, pos_ref, h_ref, w_ref, *out_refs, temperat
     ref[...] = val
 
 
-def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, interpret, layout):
+def _fused_sample_triton(seeds, sids, pos, offs, hidden, unembed, *, temperature, bs, interpret,
+                         layout):
   rp, d_model = hidden.shape
   vocab = unembed.shape[1 if layout == "dv" else 0]
   block_r, block_v = bs.block_r, bs.block_v
@@ -87,7 +89,7 @@ def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, 
   outs = pl.pallas_call(
       kernel,
       grid=(row_tiles, splits),
-      in_specs=[row_spec, row_spec, row_spec,
+      in_specs=[row_spec, row_spec, row_spec, row_spec,
                 pl.BlockSpec((block_r, d_model), lambda i, s: (i, 0)),
                 pl.BlockSpec(unembed.shape, lambda i, s: (0, 0))],
       out_specs=[out_spec] * 5,
@@ -95,5 +97,5 @@ def _fused_sample_triton(seeds, sids, pos, hidden, unembed, *, temperature, bs, 
       compiler_params=pl_triton.CompilerParams(num_warps=num_warps, num_stages=bs.num_stages),
       interpret=interpret,
       name="fused_sample_triton",
-  )(seeds, sids, pos, hidden, unembed)
-  return combine(*outs)
+  )(seeds, sids, pos, offs, hidden, unembed)
+  return merge(*outs)

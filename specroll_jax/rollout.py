@@ -20,6 +20,7 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +309,9 @@ class DecodeOptions:
     bucket_fractions: the vanilla engine's row buckets (None: ``DecodeSettings``'s; the
     speculative engine takes its buckets from ``Speculation.spec``). profile: run the speculative
     buckets one by one from the host and report their wall-clock in ``stats.bucket_times``.
+    mesh: None (one device), or a ``Mesh`` with axes "data" / "model" or a
+    ``specroll_jax.mesh.ModelMesh``: rows over data, the weights and the KV cache over model
+    (``params`` placed by ``ModelMesh.shard_params``; docs/design.md, "Model-parallel rollouts").
   """
 
   kernels: str | Kernels = "auto"
@@ -318,12 +322,16 @@ class DecodeOptions:
   allow_duplicate_sample_ids: bool = False
   bucket_fractions: tuple[float, ...] | None = None
   profile: bool = False
+  mesh: Any = None
 
   def __post_init__(self):
     if self.on_nonfinite not in ("raise", "flag"):
       raise ValueError(f"DecodeOptions.on_nonfinite must be 'raise' or 'flag', got "
                        f"{self.on_nonfinite!r}")
-    Kernels.resolve(self.kernels)
+    Kernels.resolve(self.kernels, mesh=self.mesh)
+    if self.mesh is not None and self.profile:
+      raise ValueError("DecodeOptions: profile=True runs the buckets from the host one device at "
+                       "a time; it does not take a mesh")
 
 
 _OPTIONS = tuple(f.name for f in dataclasses.fields(DecodeOptions))
@@ -402,7 +410,9 @@ def _generate(config, params, prompts, sampling, max_new_tokens, seed, sample_id
   if on_nonfinite not in ("raise", "flag"):
     raise ValueError(f"on_nonfinite must be 'raise' or 'flag', got {on_nonfinite!r}")
   check_seed(seed)
-  kern = Kernels.resolve(kernels)
+  kern = Kernels.resolve(kernels, mesh=opts.mesh)
+  if kern.mesh is not None:
+    kern.mesh.check_params(config, params)
   if adaptation is not None:
     from specroll_jax import adaptation as _adapt
     check_adaptation(adaptation)
@@ -431,6 +441,8 @@ def _generate(config, params, prompts, sampling, max_new_tokens, seed, sample_id
                             cache_length=batch.cache_length, kernels=kern,
                             return_hidden=bool(return_hidden), pad_id=pad_id, **extra)
   dev = batch.device(seed)
+  if kern.mesh is not None:
+    dev = kern.mesh.place_batch(dev)
   t0 = time.perf_counter()
   if proposer is None:
     out = VanillaEngine(config, settings).jit(params, dev)

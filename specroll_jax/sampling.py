@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.counter_hash import (
@@ -30,10 +31,10 @@ from pallas_kernels.counter_hash import (
   token_bits,
   uniform_from_bits,
 )
-from pallas_kernels.fused_sampler import fused_sample
+from pallas_kernels.fused_sampler import finish, fused_sample, fused_sample_partials, merge_shards
 from specroll_jax import _topk
 from specroll_jax._fields import check_float, check_int, int_arg
-from specroll_jax.kernels import REFERENCE, Kernels
+from specroll_jax.kernels import REFERENCE, Kernels, per_shard
 from specroll_jax.models import decoder as _dec
 
 __all__ = ["SamplingConfig", "allowed_logits", "draft_keys", "first_argmax", "group_sample_ids",
@@ -211,9 +212,36 @@ def sample_from_hidden(config, params, hidden, seed, sample_ids, positions, cfg:
     normed = _dec.final_norm(config, params, hidden).reshape(-1, hidden.shape[-1])
     flat = lambda a: jnp.broadcast_to(jnp.asarray(a), lead).reshape(-1).astype(jnp.int32)
     w, layout = _dec.unembedding_for_kernel(config, params)
-    tok, lp = fused_sample(normed, w.astype(normed.dtype), seed, flat(sample_ids),
-                           flat(positions), temperature=float(cfg.temperature),
-                           interpret=kernels.interpret, unembed_layout=layout)
+    w = w.astype(normed.dtype)
+    if kernels.mesh is None:
+      tok, lp = fused_sample(normed, w, seed, flat(sample_ids), flat(positions),
+                             temperature=float(cfg.temperature), interpret=kernels.interpret,
+                             unembed_layout=layout)
+    else:
+      tok, lp = _fused_sample_sharded(normed, w, layout, seed, flat(sample_ids), flat(positions),
+                                      float(cfg.temperature), kernels)
     return tok.reshape(lead), lp.reshape(lead), ~jnp.isfinite(lp.reshape(lead))
   logits = _dec.logits_from_hidden(config, params, hidden)
   return sample(logits, seed, sample_ids, positions, cfg)
+
+
+def _fused_sample_sharded(normed, w, layout, seed, sample_ids, positions, temperature: float,
+                          kernels: Kernels):
+  """The fused sampler over a vocabulary-sharded unembedding: each model shard samples its slice
+  (the noise of its global ids), then the shards' partials merge (``merge_shards``: the best
+  perturbed value, the lowest id on ties, the logsumexp's parts), so the token is one device's."""
+  mesh = kernels.mesh
+  v_axis = 0 if layout == "vd" else 1
+
+  def local(h, w, seed, sids, pos):
+    offset = jax.lax.axis_index(mesh.model) * w.shape[v_axis]
+    parts = fused_sample_partials(h, w, seed, sids, pos, temperature=temperature,
+                                  vocab_offset=offset, interpret=kernels.interpret,
+                                  unembed_layout=layout)
+    return finish(*merge_shards(parts, mesh.model))
+
+  w_spec = P(mesh.model, None) if layout == "vd" else P(None, mesh.model)
+  ins = lambda r: (P(r, None), w_spec, P(), P(r), P(r))
+  outs = lambda r: (P(r), P(r))
+  return per_shard(local, mesh, ins, outs, mesh.rows(normed.shape[0]))(
+      normed, w, jnp.asarray(seed), sample_ids, positions)

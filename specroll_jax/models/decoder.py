@@ -348,15 +348,28 @@ def append_step(config: ModelConfig, params, tokens: Int[Array, "B T"],
 def _layers(config, params, tokens, positions, cache, mask, kernels, append_slots=None):
   """(pre-norm hidden [B, T, D], the step's k, v [Ly, B, T, Hkv, Dh], cache (k, v) with the
   step's K/V written when ``append_slots`` is given), by the loop of the cache's layout."""
-  block = Block(config, _attention(kernels))
+  kernels = Kernels.resolve(kernels)
+  block = Block(config, kernels.attention_fn)
   x = jnp.take(params["embed"]["embedding"], tokens, axis=0)
   layers = cache.k.shape[1] if cache.is_stacked else len(cache.k)
   if layers != config.num_layers:
     layout = "stacked [B, Ly, L, Hkv, Dh]" if cache.is_stacked else "a tuple of per-layer buffers"
     raise ValueError(f"cache holds K/V of {layers} layers ({layout}), the model has "
                      f"{config.num_layers}")
+  mesh = kernels.mesh
+  if mesh is not None:  # rows over data, KV heads over model (GSPMD places the rest from these)
+    x = mesh.constrain_rows(x)
+    cache = cache.replace(k=mesh.constrain_cache(cache.k), v=mesh.constrain_cache(cache.v))
   if cache.is_stacked:
-    return _scanned(block, params, x, positions, cache, mask, append_slots)
+    x, k_new, v_new, (ck, cv) = _scanned(block, params, x, positions, cache, mask, append_slots)
+  else:
+    x, k_new, v_new, (ck, cv) = _unrolled(block, params, x, positions, cache, mask, append_slots)
+  if mesh is not None:
+    ck, cv = mesh.constrain_cache(ck), mesh.constrain_cache(cv)
+  return x, k_new, v_new, (ck, cv)
+
+
+def _unrolled(block, params, x, positions, cache, mask, append_slots):
   # Unrolled over per-layer parameter slices (``unstack_layers``): inside a decode while_loop the
   # slices are loop invariants, so no weight is copied per step.
   layers = unstack_layers(params)["layers"]
