@@ -21,7 +21,7 @@ _TPU_VMEM_CAP = 48 << 20  # below the 64 MiB physical VMEM of a v7x TensorCore
 
 
 def _tpu_kernel(seed_ref, sid_ref, pos_ref, off_ref, h_ref, w_ref, *refs, temperature, vocab,
-                block_v,                tiles_per_split, n_tiles, layout, precision):
+                block_v, tiles_per_split, n_tiles, layout, precision):
   # seed_ref, sid_ref, pos_ref, off_ref [r, 1]; h_ref [r, D]; w_ref [D, block_v] ("dv") or
   # [block_v, D] ("vd"); 5 outputs [r, 128] then
   # 5 scratch [r, 128] (state broadcast over lanes). Grid (row tiles, S, tiles per split).
