@@ -19,9 +19,15 @@ _SECONDS: list[float] = [0.0]
 
 def _key(engine, args):
   leaves, tree = jax.tree.flatten(args)
-  sig = tuple((tuple(x.shape), str(x.dtype), bool(getattr(x, "committed", False)))
+  sig = tuple((tuple(x.shape), str(x.dtype), bool(getattr(x, "committed", False)), _placement(x))
               if hasattr(x, "shape") else (type(x).__name__, x) for x in leaves)
   return engine, tree, sig
+
+
+def _placement(x):
+  """A mesh placement (``NamedSharding``: a model-parallel rollout's arguments), else None."""
+  sharding = getattr(x, "sharding", None)
+  return sharding if isinstance(sharding, jax.sharding.NamedSharding) else None
 
 
 def compiled(engine, *args):

@@ -27,14 +27,17 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from specroll_jax.models.config import ModelConfig
+if TYPE_CHECKING:  # (models imports the kernels, which import this module)
+  from specroll_jax.models.config import ModelConfig
 
 DATA = "data"
 MODEL = "model"
@@ -259,3 +262,47 @@ def resolve(mesh) -> ModelMesh | None:
     raise ValueError(f"mesh must be a jax.sharding.Mesh or a ModelMesh, got "
                      f"{type(mesh).__name__}")
   return ModelMesh.of(mesh)
+
+
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"f32": 4, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "s8": 1, "u8": 1, "pred": 1,
+                "s64": 8, "u64": 8, "f64": 8, "s16": 2, "u16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a compiled program: its kind, result dtype and shape (per device), bytes."""
+
+  kind: str
+  dtype: str
+  shape: tuple[int, ...]
+
+  @property
+  def bytes(self) -> int:
+    return math.prod(self.shape) * _DTYPE_BYTES.get(self.dtype, 4)
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """The collectives of a compiled program's HLO text (``compiled.as_text()``), each once per
+  appearance in the program text (a collective inside a loop body runs once per iteration)."""
+  kinds = "|".join(_COLLECTIVES)
+  pat = re.compile(rf"=\s+\(?([a-z0-9]+)\[([0-9,]*)\][^=]*?\s({kinds})(?:-start)?\(")
+  out = []
+  for line in hlo_text.splitlines():
+    m = pat.search(line)
+    if m:
+      dims = tuple(int(d) for d in m.group(2).split(",") if d)
+      out.append(Collective(m.group(3), m.group(1), dims))
+  return out
+
+
+def gathers_weights(hlo_text: str, config: ModelConfig, params) -> list[Collective]:
+  """The all-gathers of a compiled program whose result has the shape of a whole weight matrix
+  (or one layer of a stacked one): what a model-parallel step must not do."""
+  shapes = set()
+  for leaf in jax.tree.leaves(params):
+    shape = tuple(np.shape(leaf))
+    if len(shape) >= 2:
+      shapes.add(shape)
+      shapes.add(shape[1:])
+  return [c for c in collectives(hlo_text) if c.kind == "all-gather" and c.shape in shapes]

@@ -33,6 +33,7 @@ import dataclasses
 import hashlib
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,7 @@ from specroll_jax._fields import check_float, check_int, check_type, float_arg, 
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
+from specroll_jax.mesh import ModelMesh
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import (
   GroupLookup,
@@ -117,12 +119,16 @@ class SpecRoll:
   costs where it cannot pay). store_prompts, store_per_prompt: earlier responses kept
   (prompts, responses per prompt; None: G); 0 prompts: no store. calibration_strength /
   calibration_decay: ``calibration.init``'s. cost_nodes: node counts goodput measures and chooses
-  from. kernels: ``Kernels.resolve``'s choice. prompt_width: pad prompts to this width (fixed
-  shapes; None: the longest prompt of the batch rounded up to a power of two, at least 32, so
-  batches of similar prompts share their programs). params_from: None, or a function (hashable,
-  e.g. one ``functools.partial`` per integration) that maps the ``params`` a caller passes to the
-  decoder's parameter tree; the compiled rollouts apply it inside (another framework's weights
-  are read in place: ``integrations.tunix``), the host work after them eagerly.
+  from. kernels: ``Kernels.resolve``'s choice. mesh: None (one device), or the rollout's ``Mesh``
+  (axes "data" / "model") or ``specroll_jax.mesh.ModelMesh``: the weights and the KV cache split
+  over the model axis, the rows over the data axis (``params`` placed by ``ModelMesh.shard_params``;
+  the state replicated on the mesh). In a run of several processes each decodes its own rows: the
+  mesh is this process's devices. prompt_width: pad prompts to this width (fixed shapes; None: the
+  longest prompt of the batch rounded up to a power of two, at least 32, so batches of similar
+  prompts share their programs). params_from: None, or a function (hashable, e.g. one
+  ``functools.partial`` per integration) that maps the ``params`` a caller passes to the decoder's
+  parameter tree; the compiled rollouts apply it inside (another framework's weights are read in
+  place: ``integrations.tunix``), the host work after them eagerly.
   """
 
   config: ModelConfig
@@ -150,6 +156,7 @@ class SpecRoll:
   calibration_decay: float = 0.7
   cost_nodes: tuple[int, ...] = DEFAULT_COST_NODES
   kernels: str = "auto"
+  mesh: Any = None
   prompt_width: int | None = None
   params_from: Callable | None = None
 
@@ -196,10 +203,41 @@ class SpecRoll:
     if not nodes or nodes[0] != 0 or list(nodes) != sorted(set(nodes)):
       raise ValueError(f"SpecRoll.cost_nodes must be ints ascending from 0, got {self.cost_nodes}")
     object.__setattr__(self, "cost_nodes", nodes)
-    Kernels.resolve(self.kernels)
+    kern = Kernels.resolve(self.kernels, mesh=self.mesh)
+    object.__setattr__(self, "mesh", kern.mesh)
+    if kern.mesh is not None:
+      kern.mesh.check_config(self.config)
+      local = set(jax.local_devices())
+      if not set(kern.mesh.mesh.devices.flat) <= local:
+        raise ValueError("SpecRoll.mesh: every process decodes its own rows, so the rollout mesh "
+                         f"must hold this process's devices only ({len(local)} local devices)")
     check_int(self, "prompt_width", 1, optional=True)
     check_float(self, "calibration_strength", 0, lo_open=True, allow_inf=True)
     check_float(self, "calibration_decay", 0, 1)
+
+  @property
+  def mesh_axes(self) -> ModelMesh | None:
+    """The rollout's ``ModelMesh`` (None: one device)."""
+    return self.mesh
+
+  @property
+  def kernels_resolved(self) -> Kernels:
+    """The kernels every program of this object runs (on its mesh)."""
+    return Kernels.resolve(self.kernels, mesh=self.mesh)
+
+  def place_params(self, params):
+    """``params`` as the programs take them: on one device, or (on a mesh) checked to be placed
+    as ``ModelMesh.shard_params`` places them (ValueError naming the leaf otherwise); another
+    framework's tree (``params_from``) as it comes (GSPMD reads it where it lies)."""
+    if self.mesh is None:
+      return place(params)
+    if self.params_from is None:
+      self.mesh.check_params(self.config, params)
+    return params
+
+  def _device(self, rows: PreparedBatch, seed: int):
+    dev = rows.device(seed)
+    return dev if self.mesh is None else self.mesh.place_batch(dev)
 
   # -- the proposers this object runs
 
@@ -271,7 +309,7 @@ class SpecRoll:
               DEFAULT_REFLEX, apply_corrections=False, conditioned=head_kinds.is_conditioned(
                   heads), num_heads=self.heads_tree.num_heads),
           slow=self.slow, records="trainer", trainer_anchors=self.records_per_batch)
-      adapt = place(_adapt.init(acfg, heads))
+      adapt = place(_adapt.init(acfg, heads), self.mesh)
     prop = self._calibrated(heads)
     cal = None
     ranks = 1
@@ -403,7 +441,7 @@ class SpecRoll:
     hidden = self._records_on() and speculative
     settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                               cache_length=rows.cache_length,
-                              kernels=Kernels.resolve(self.kernels), return_hidden=hidden)
+                              kernels=self.kernels_resolved, return_hidden=hidden)
     engine = (SpecEngine(self.config, settings, plan.proposer, self._engine_spec(plan))
               if speculative else VanillaEngine(self.config, settings))
     return engine if self.params_from is None else Mapped(engine, self.params_from)
@@ -448,16 +486,19 @@ class SpecRoll:
     if plan.mode == "speculative":
       pp = self.proposer_params(state, batch, plan)
       plan.proposer.validate_batch(self.config, pp, rows.tokens, rows.lengths, rows.sample_ids)
-      args = (params, pp, rows.device(seed))
+      args = (params, place(pp, self.mesh) if self.mesh else pp, self._device(rows, seed))
       if self._choices(plan):  # goodput's counts, given at run time
         args += (np.asarray(plan.spec.nodes, np.int32),)
       return [(self.engine(plan, rows, speculative=True), args)]
-    calls = [(self.engine(plan, rows, speculative=False), (params, rows.device(seed)))]
+    calls = [(self.engine(plan, rows, speculative=False), (params, self._device(rows, seed)))]
     if plan.mode == "probe":
       head = head_rows(rows, plan.probe_rows)
       pp = self.proposer_params(state, batch, plan, slice(0, plan.probe_rows))
       plan.proposer.validate_batch(self.config, pp, head.tokens, head.lengths, head.sample_ids)
-      calls.append((self.engine(plan, head, speculative=True), (params, pp, head.device(seed))))
+      if self.mesh is not None:
+        pp = place(pp, self.mesh)
+      calls.append((self.engine(plan, head, speculative=True),
+                     (params, pp, self._device(head, seed))))
     return calls
 
   def warmup(self, params, batch: GroupBatch, state: SpecRollState) -> float:
@@ -467,7 +508,7 @@ class SpecRoll:
     compile seconds. ``generate`` calls it on a state's first batch, so later batches of the same
     shape compile nothing, whatever goodput chooses."""
     t0 = _exe.compile_seconds()
-    params = place(params)
+    params = self.place_params(params)
     states = ("awake", "asleep") if self._has_reflex(state) else ("off",)
     plans = [self.plan(state, batch, reflex=r) for r in states]  # (Reflex falls asleep later)
     if self.budget == "goodput":
@@ -521,9 +562,9 @@ class SpecRoll:
       raise ValueError(f"batch has group_size {batch.group_size}, this SpecRoll "
                        f"{self.group_size}")
     check_seed(seed)
-    params = place(params)
+    params = self.place_params(params)
     if state.adaptation is not None:  # one placement for every call (a restored checkpoint's too)
-      state = state.replace(adaptation=place(state.adaptation))
+      state = state.replace(adaptation=place(state.adaptation, self.mesh))
     c0 = _exe.compile_seconds()
     if self.budget == "goodput" and state.cost is None:
       state = state.replace(cost=self.measure_cost(params, state, batch))
@@ -571,7 +612,7 @@ class SpecRoll:
     rows = tuple(sorted({kept[0][0], kept[-1][0]}, reverse=True))
     settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
                               cache_length=batch.rows.cache_length,
-                              kernels=Kernels.resolve(self.kernels))
+                              kernels=self.kernels_resolved)
     cost = _goodput.measure_cost(self.config, self.decoder_params(params), prop, pp, batch.tokens,
                                  batch.lengths, settings=settings,
                                  rows=rows, node_counts=self.cost_nodes, progress=False)

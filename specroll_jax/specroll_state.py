@@ -130,9 +130,12 @@ def head_rows(rows: PreparedBatch, k: int) -> PreparedBatch:
                        rows.cache_length)
 
 
-def place(params):
+def place(params, mesh=None):
   """The parameters on this process's first device (one placement for every call: a parameter
-  tree that left a train step replicated over a mesh compiles no second rollout)."""
+  tree that left a train step replicated over a mesh compiles no second rollout); with ``mesh``
+  (a ``ModelMesh``: SpecRoll's rollout mesh) replicated on its devices instead."""
+  if mesh is not None:
+    return mesh.replicate(params)
   dev = jax.local_devices()[0]
 
   def one(x):
