@@ -68,7 +68,7 @@ def make_mesh(data: int = 1, model: int | None = None, *, devices=None,
 
 
 def _path_names(path) -> list[str]:
-  return [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+  return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +145,8 @@ class ModelMesh:
     """The ``PartitionSpec`` of one decoder parameter (``path`` from ``tree_map_with_path``)."""
     names = _path_names(path)
     ndim = len(np.shape(leaf))
+    if not names or ndim == 0:
+      return P()
     module = names[-2] if len(names) > 1 else names[-1]
     last = names[-1]
     if module == "embed":

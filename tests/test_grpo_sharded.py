@@ -32,6 +32,9 @@ _SCRIPT = textwrap.dedent("""
     targets = rng.integers(0, 32, NP).astype(np.int32)
     samp = SamplingConfig(temperature=1.0, top_k=24)
     meshes = {n: Mesh(np.array(jax.devices()[:n]), ("data",)) for n in (1, 4)}
+    # data 2 x model 2: rows over data by hand, weights, optimizer moments and (in the on-device
+    # step) the rollouts' KV cache over model (GSPMD); the same update as one device
+    meshes["2x2"] = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
 
     def reward_fn(prompt_tokens, prompt_lengths, tokens, lengths, data):
       live = jnp.arange(tokens.shape[1])[None] < lengths[:, None]
@@ -62,6 +65,7 @@ _SCRIPT = textwrap.dedent("""
         mets.append({k: float(v) for k, v in jax.device_get(m).__dict__.items()})
       runs[n] = (jax.device_get(state.params), mets)
     res["offline"] = {"param_diff": diff(runs[1][0], runs[4][0]),
+                      "param_diff_2x2": diff(runs[1][0], runs["2x2"][0]), "m2x2": runs["2x2"][1],
                       "update": diff(runs[1][0], params), "m1": runs[1][1], "m4": runs[4][1],
                       "lengths": np.asarray(r.lengths).tolist()}
 
@@ -82,15 +86,18 @@ _SCRIPT = textwrap.dedent("""
       runs[n] = (jax.device_get(state.params), mets, toks)
     res["on_device"] = {
         "param_diff": diff(runs[1][0], runs[4][0]), "update": diff(runs[1][0], params),
+        "param_diff_2x2": diff(runs[1][0], runs["2x2"][0]), "m2x2": runs["2x2"][1],
         "m1": runs[1][1], "m4": runs[4][1],
         "tokens_equal": all(bool((a == c).all()) for a, c in zip(runs[1][2], runs[4][2])),
+        "tokens_equal_2x2": all(bool((a == c).all()) for a, c in zip(runs[1][2],
+                                                                    runs["2x2"][2])),
         "first_equals_generate": bool((runs[4][2][0] == np.asarray(r.tokens)).all())}
     print("RESULT " + json.dumps(res))
 """)
 
 
 @pytest.mark.slow  # a 4-device subprocess
-def test_grpo_steps_same_update_on_1_and_4_devices(tmp_path):
+def test_grpo_steps_same_update_on_1_and_4_devices_and_data_x_model(tmp_path):
   res = run_on_cpu_devices(tmp_path, _SCRIPT)
   print(json.dumps({k: {f: v[f] for f in ("param_diff", "update")} for k, v in res.items()}))
   off, dev = res["offline"], res["on_device"]
@@ -98,7 +105,8 @@ def test_grpo_steps_same_update_on_1_and_4_devices(tmp_path):
   for name, r in (("offline", off), ("on_device", dev)):
     assert r["update"] > 2e-4, (name, r)  # two updates of about lr: 1e-5 below is meaningful
     assert r["param_diff"] <= 1e-5, (name, r)
-    for m1, m4 in zip(r["m1"], r["m4"], strict=True):
+    assert r["param_diff_2x2"] <= 1e-5, (name, r)  # data 2 x model 2
+    for m1, m4 in [*zip(r["m1"], r["m4"], strict=True), *zip(r["m1"], r["m2x2"], strict=True)]:
       assert m1["tokens"] == m4["tokens"] and m1["sequences"] == m4["sequences"] == 32
       for k in ("loss", "grad_norm", "ratio_mean", "reward_mean", "ref_kl", "entropy"):
         assert abs(m1[k] - m4[k]) <= 1e-5 * max(1.0, abs(m1[k])), (name, k, m1, m4)
@@ -106,4 +114,4 @@ def test_grpo_steps_same_update_on_1_and_4_devices(tmp_path):
   # step 0 of a batch: ratio 1 (trainer logprobs == rollout logprobs); step 1 reuses the batch
   assert abs(off["m1"][0]["ratio_mean"] - 1) < 1e-5 and off["m1"][0]["clip_fraction"] == 0
   assert off["m1"][1]["clip_fraction"] > 0 and off["m1"][1]["ref_kl"] > 0
-  assert dev["tokens_equal"] and dev["first_equals_generate"]
+  assert dev["tokens_equal"] and dev["tokens_equal_2x2"] and dev["first_equals_generate"]

@@ -34,6 +34,7 @@ from specroll_jax.grpo import step as _step
 from specroll_jax.grpo.config import GRPOConfig
 from specroll_jax.grpo.step import AXIS, Batch, TrainState
 from specroll_jax.kernels import REFERENCE, Kernels
+from specroll_jax.mesh import ModelMesh
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer
 from specroll_jax.sampling import group_sample_ids
@@ -114,8 +115,12 @@ def rollout_train_step(state: TrainState, prompts: StepPrompts, seed, proposer_p
   out_rolled = StepRollouts(tokens=P(AXIS), lengths=P(AXIS), logprobs=P(AXIS), rewards=P(AXIS),
                             advantages=P(AXIS), nonfinite=P(AXIS), row_forwards=P(),
                             target_forwards=P())
+  # (data, model): rows by hand over data, the model axis to GSPMD (and to the kernels' own
+  # shard_map over it: ``Kernels.mesh``), as in ``step.train_step``
+  manual = {} if _step._model_axis(mesh) is None else {"axis_names": frozenset({AXIS})}
   return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(), P()),
-                       out_specs=(P(), P(), out_rolled))(state, prompts, seed, proposer_params)
+                       out_specs=(P(), P(), out_rolled), **manual)(state, prompts, seed,
+                                                                   proposer_params)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,9 +209,13 @@ def make_rollout_train_step(config: ModelConfig, cfg: GRPOConfig, reward_fn: Cal
   mesh = _step.default_mesh() if mesh is None else mesh
   if AXIS not in mesh.axis_names:
     raise ValueError(f"mesh must have a {AXIS!r} axis, got axes {mesh.axis_names}")
+  model_mesh = None
+  if len(mesh.axis_names) > 1:  # (data, model): the rollouts' kernels run per model shard
+    model_mesh = ModelMesh(mesh)
+    model_mesh.check_config(config)
   return RolloutTrainStep(
       config=config, cfg=cfg, reward_fn=reward_fn, mesh=mesh, max_new_tokens=max_new_tokens,
       eos_ids=eos, proposer=proposer,
       spec=(spec or SpecConfig()) if proposer is not None else None,
-      rollout_kernels=Kernels.resolve(rollout_kernels),
+      rollout_kernels=Kernels.resolve(rollout_kernels, mesh=model_mesh),
       train_kernels=Kernels.resolve(train_kernels), pad_id=int(pad_id))

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int, PyTree
 
+from specroll_jax import mesh as _mesh
 from specroll_jax._fields import bool_arg
 from specroll_jax._vma import vary_like
 from specroll_jax.grpo import loss as _loss
@@ -181,8 +182,16 @@ def train_step(state: TrainState, batch: Batch, *, config: ModelConfig, cfg: GRP
     return new, metrics
 
   specs = (P(), P(), P(AXIS)) if return_hidden else (P(), P())
+  # On a (data, model) mesh the rows are mapped by hand over data and the model axis is left to
+  # GSPMD: the weights stay split as placed (``place``), each layer's partial sums all-reduced.
+  manual = {} if _model_axis(mesh) is None else {"axis_names": frozenset({AXIS})}
   return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(AXIS), P(AXIS)),
-                       out_specs=specs)(state, batch, adv)
+                       out_specs=specs, **manual)(state, batch, adv)
+
+
+def _model_axis(mesh: Mesh) -> str | None:
+  """The mesh's model axis (``specroll_jax.mesh.MODEL``) when it splits anything, else None."""
+  return _mesh.MODEL if mesh.shape.get(_mesh.MODEL, 1) > 1 else None
 
 
 def check_rows(rows: int, cfg: GRPOConfig, mesh: Mesh, what: str, per_row: int = 1) -> None:
@@ -221,10 +230,17 @@ class TrainStep:
 
 def place(mesh: Mesh, state, rows, replicated=()):
   """``state`` (and ``replicated``) replicated over ``mesh``, ``rows`` split over ``data``: the
-  shardings the step returns, so later calls reuse the first compile (a no-op when already so)."""
-  rep = NamedSharding(mesh, P())
-  out = (jax.device_put(state, rep), jax.device_put(rows, NamedSharding(mesh, P(AXIS))))
-  return out + tuple(jax.device_put(x, rep) for x in replicated)
+  shardings the step returns, so later calls reuse the first compile (a no-op when already so).
+  On a (data, model) mesh the parameters, the reference and the optimizer's moments are split
+  over ``model`` as ``ModelMesh.shard_params`` splits the weights (by their path's layer names)."""
+  rows = jax.device_put(rows, NamedSharding(mesh, P(AXIS)))
+  if _model_axis(mesh) is None:
+    rep = NamedSharding(mesh, P())
+    return (jax.device_put(state, rep), rows) + tuple(jax.device_put(x, rep) for x in replicated)
+  mm = _mesh.ModelMesh(mesh)
+  split = lambda tree: jax.tree_util.tree_map_with_path(
+      lambda p, x: jax.device_put(x, NamedSharding(mesh, mm.param_spec(p, x))), tree)
+  return (split(state), rows) + tuple(split(x) for x in replicated)
 
 
 def check_batch(batch: Batch, config: ModelConfig, cfg: GRPOConfig, mesh: Mesh) -> None:
@@ -255,6 +271,8 @@ def make_train_step(config: ModelConfig, cfg: GRPOConfig, *, mesh: Mesh | None =
   mesh = default_mesh() if mesh is None else mesh
   if AXIS not in mesh.axis_names:
     raise ValueError(f"mesh must have a {AXIS!r} axis, got axes {mesh.axis_names}")
+  if len(mesh.axis_names) > 1:  # (data, model): the model axis must divide what it splits
+    _mesh.ModelMesh(mesh).check_config(config)
   bool_arg(return_hidden, "return_hidden")
   return TrainStep(config=config, cfg=cfg, mesh=mesh, kernels=Kernels.resolve(kernels),
                    return_hidden=return_hidden)
