@@ -480,3 +480,102 @@ def test_tunix_grpo_example_quick(tmp_path, capsys):
   assert all(s["mode"] == "speculative" and s["tau"] > 1.0 for s in res["steps"])
   printed = capsys.readouterr().out
   assert "step 2  reward_mean" in printed and "identical tokens" in printed
+
+
+# --- (6) on tunix's mesh -----------------------------------------------------------------------
+
+_MESH_SCRIPT = '''
+import functools, json, sys
+sys.path.insert(0, {tests!r})
+import jax, numpy as np, optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+import test_tunix as tt
+from tunix.rl import rl_cluster as rlc
+from tunix.rl.grpo import grpo_learner
+from specroll_jax.proposers import PromptLookup
+assert jax.device_count() == 4
+mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("fsdp", "tp"))
+one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+
+def shard(model):  # the model's Params placed by tunix's own sharding annotations
+  state = nnx.state(model, nnx.Param)
+  specs = nnx.to_pure_dict(nnx.get_partition_spec(state))
+  put = lambda x, s: jax.device_put(x, NamedSharding(mesh, s if isinstance(s, P) else P()))
+  nnx.replace_by_pure_dict(state, jax.tree.map(put, nnx.to_pure_dict(state), specs,
+                                               is_leaf=lambda x: x is None or isinstance(x, P)))
+  nnx.update(model, state)
+  return model
+
+res = {{}}
+m1, m4 = tt._qwen2(), shard(tt._qwen2())
+res["specs"] = sorted({{str(x.sharding.spec) for x in
+                        jax.tree.leaves(nnx.to_pure_dict(nnx.state(m4, nnx.Param)))}})
+spec_kw = dict(proposer=PromptLookup(), proposer_params=(), specroll=tt.FIXED)
+for name, kw in (("vanilla", {{}}), ("speculative", spec_kw)):
+  a = tt._backend(m1, num_generations=2, **kw).generate(tt.PROMPTS, tt.RC)
+  b4 = tt._backend(m4, num_generations=2, mesh=mesh, **kw)
+  b = b4.generate(tt.PROMPTS, tt.RC)
+  res[name] = tt._same(a.tokens, b.tokens)
+  res[name + "_on_mesh"] = b4._model_mesh is not None
+
+def learn(mesh):  # tunix's GRPOLearner with our backend, every role on ``mesh``
+  tt._Recording.calls, rewards = [], []
+  def reward(prompts, completions, **kw):
+    r = [float(sum(c.count(x) for x in "aeiou")) + 0.1 * len(c) for c in completions]
+    rewards.append(r)
+    return r
+  config = rlc.ClusterConfig(
+      role_to_mesh={{rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh}},
+      rollout_engine=functools.partial(tt._Recording, proposer=PromptLookup(), proposer_params=(),
+                                       num_generations=2, specroll=tt.FIXED),
+      offload_to_cpu=False,
+      training_config=rlc.RLTrainingConfig(actor_optimizer=optax.sgd(1.0), eval_every_n_steps=100,
+                                           max_steps=2),
+      rollout_config=tt.RC)
+  cluster = rlc.RLCluster(actor=tt._qwen2(seed=1), reference=None, tokenizer=tt.CharTokenizer(),
+                          cluster_config=config)
+  learner = grpo_learner.GRPOLearner(
+      rl_cluster=cluster, reward_fns=reward,
+      algo_config=grpo_learner.GRPOConfig(num_generations=2, num_iterations=1, beta=0.0))
+  learner.train([{{"prompts": np.array(tt.PROMPTS[::2])}},
+                 {{"prompts": np.array(tt.PROMPTS_2[::2])}},
+                 {{"prompts": np.array(["unused", "unused too"])}}])
+  split = any(len(x.sharding.device_set) > 1 and not x.sharding.is_fully_replicated for x in
+              jax.tree.leaves(nnx.to_pure_dict(nnx.state(cluster.rollout.model(), nnx.Param))))
+  return [[t.tolist() for t in c[2]] for c in tt._Recording.calls], rewards, split
+
+def error(fn):
+  try:
+    fn()
+  except ValueError as e:
+    return str(e)
+res["bad_axes"] = error(lambda: tt._backend(m1, mesh=mesh, mesh_axes=("data", "model")))
+res["kv_heads"] = error(lambda: tt._backend(
+    m1, mesh=Mesh(np.array(jax.devices()).reshape(1, 4), ("fsdp", "tp"))))
+
+t1, r1, _ = learn(one)
+t4, r4, split = learn(mesh)
+res["learner"] = {{"tokens": t1 == t4, "rewards": r1 == r4, "split": split, "steps": len(t4),
+                   "rewards_vary": len(set(sum(r4, []))) > 1}}
+print("RESULT " + json.dumps(res))
+'''
+
+
+def test_decodes_on_tunix_mesh_same_tokens_and_rewards(tmp_path):
+  """On a ('fsdp', 'tp') = (2, 2) mesh with the weights sharded by tunix's annotations, the
+  backend decodes on the mesh (rows over fsdp, weights and cache over tp) and gives the
+  single-device tokens, vanilla and speculative; tunix's GRPOLearner with every role on that mesh
+  records the same tokens and rewards as on one device."""
+  from conftest import run_on_cpu_devices
+  res = run_on_cpu_devices(tmp_path, _MESH_SCRIPT.format(
+      tests=str(__import__("pathlib").Path(__file__).parent)), timeout=900)
+  assert "PartitionSpec('tp', 'fsdp')" in res["specs"] or "P('tp', 'fsdp')" in res["specs"], res
+  assert res["vanilla"] and res["speculative"], res
+  assert res["vanilla_on_mesh"] and res["speculative_on_mesh"], res
+  lr = res["learner"]
+  assert lr["steps"] == 2 and lr["split"] and lr["rewards_vary"], lr
+  assert lr["tokens"] and lr["rewards"], lr
+  assert "('fsdp', 'tp')" in res["bad_axes"] and "'model'" in res["bad_axes"], res["bad_axes"]
+  assert "num_kv_heads=2" in res["kv_heads"] and "'tp' of size 4" in res["kv_heads"], res
+

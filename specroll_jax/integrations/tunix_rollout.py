@@ -33,6 +33,7 @@ from specroll_jax.integrations.tunix_params import (
 )
 from specroll_jax.integrations.tunix_settings import _is_int, _seed, sampling_from_rollout_config
 from specroll_jax.kernels import Kernels
+from specroll_jax.mesh import ModelMesh
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer
 from specroll_jax.results import Rollout
@@ -96,6 +97,15 @@ def _vocab_size(tokenizer) -> int | None:
   return None
 
 
+def _rollout_mesh(mesh, axes) -> ModelMesh | None:
+  """The ``ModelMesh`` the decode runs on: None for no mesh or one device."""
+  if mesh is None or mesh.size == 1:
+    return None
+  if not isinstance(axes, tuple) or len(axes) != 2:
+    raise ValueError(f"mesh_axes must be a (row axis, model axis) pair, got {axes!r}")
+  return ModelMesh(mesh, data=axes[0], model=axes[1])
+
+
 class SpecRollRollout(base_rollout.BaseRollout):
   """SpecRoll decoding inside a tunix RL run (``specroll_jax.integrations.tunix``'s docstring:
   parameters, sampling, sample ids).
@@ -103,7 +113,11 @@ class SpecRollRollout(base_rollout.BaseRollout):
   rollout_actor: a tunix Qwen2 or Llama3 nnx module (what ``model()`` returns and decoding reads).
   tokenizer: a tunix ``TokenizerAdapter`` (the cluster passes one) or anything it wraps; its
     vocabulary must fit the model's embedding (``tokenizer_vocab_size`` when it cannot say).
-  mesh: the rollout mesh tunix passes (kept, not used to shard the decode).
+  mesh: the rollout mesh tunix passes: with more than one device the decode runs on it, rows over
+    its ``mesh_axes[0]`` axis and the weights and KV cache over ``mesh_axes[1]``
+    (``specroll_jax.mesh``), reading the trainer's sharded arrays where they lie (GSPMD moves what
+    a layer needs; nothing gathers the model onto one device).
+  mesh_axes: (row axis, model axis) of ``mesh``: tunix's ("fsdp", "tp") by default.
   rollout_config: tunix's ``RolloutConfig`` the cluster passes (its TRAIN one): what
     ``get_per_token_logps`` scores under; ``generate`` reads the one it is given.
   heads: future-token heads (``cond_heads.CondHeads`` for the default tree, or ``heads.Heads``):
@@ -129,7 +143,8 @@ class SpecRollRollout(base_rollout.BaseRollout):
                specroll: dict | None = None, num_generations: int | None = None, seed: int = 0,
                keep_eos: bool = False, kernels: str | Kernels = "auto",
                max_position_embeddings: int = 32768, tokenizer_vocab_size: int | None = None,
-               on_nonfinite: str = "raise", adaptation=None, spec: SpecConfig | None = None):
+               on_nonfinite: str = "raise", adaptation=None, spec: SpecConfig | None = None,
+               mesh_axes: tuple[str | None, str] = ("fsdp", "tp")):
     if rollout_actor is None:
       raise ValueError(f"rollout_actor is None; pass a tunix model: {_supported_names()}")
     if tokenizer is None:
@@ -149,13 +164,16 @@ class SpecRollRollout(base_rollout.BaseRollout):
     if on_nonfinite not in ("raise", "flag"):
       raise ValueError(f"on_nonfinite must be 'raise' or 'flag', got {on_nonfinite!r}")
     self._on_nonfinite = on_nonfinite
-    self._kernels = Kernels.resolve(kernels)
+    self._model_mesh = _rollout_mesh(mesh, mesh_axes)
+    self._kernels = Kernels.resolve(kernels, mesh=self._model_mesh)
     self._next_row = 0
     tok = self._tokenizer
     self._pad, self._eos, bos = int(tok.pad_id()), int(tok.eos_id()), tok.bos_id()
     self._base_config = model_config_from_tunix(
         rollout_actor, max_position_embeddings=max_position_embeddings, eos_token_ids=(self._eos,),
         bos_token_id=None if bos is None else int(bos))
+    if self._model_mesh is not None:
+      self._model_mesh.check_config(self._base_config)
     v = self._base_config.vocab_size
     n = tokenizer_vocab_size if tokenizer_vocab_size is not None else _vocab_size(tok)
     if n is None:
@@ -373,7 +391,7 @@ class SpecRollRollout(base_rollout.BaseRollout):
     if key not in self._objects:
       kw = dict(max_new_tokens=m, sampling=sampling, group_size=self._num_generations or 1,
                 eos_ids=eos, proposer=self._proposer, kernels=self._kernels, prompt_width=width,
-                params_from=self._mapping(config))
+                params_from=self._mapping(config), mesh=self._model_mesh)
       kw.update(self._specroll_kw)
       try:
         obj = SpecRoll(config, **kw)
@@ -402,7 +420,10 @@ class SpecRollRollout(base_rollout.BaseRollout):
                                 cache_length=batch.cache_length, kernels=self._kernels,
                                 pad_id=self._pad)
       engine = Mapped(VanillaEngine(config, settings), self._mapping(config))
-      out = _exe.run(engine, src, batch.device(seed))
+      dev = batch.device(seed)
+      if self._model_mesh is not None:
+        dev = self._model_mesh.place_batch(dev)
+      out = _exe.run(engine, src, dev)
       nf = np.asarray(out.stats.nonfinite)
       if nf.any():
         msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
