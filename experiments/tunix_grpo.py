@@ -39,6 +39,7 @@ from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k
 from specroll_jax.data.tasks import Task
 from specroll_jax.integrations import tunix as sr
+from specroll_jax.mesh import ModelMesh
 from specroll_jax.slow_path import SlowPathConfig
 
 FORMAT_WEIGHT = 0.1  # the reward's bonus for a well-formed "#### N" line (as experiments/gsm8k.py)
@@ -55,6 +56,10 @@ def parse(argv):
                   help="SpecRoll's node budget: goodput's measured choice or the fixed one")
   ap.add_argument("--lr", type=float, default=3e-4, help="Adam learning rate")
   ap.add_argument("--temperature", type=float, default=1.0)
+  ap.add_argument("--mesh", default="1x1", metavar="FSDPxTP",
+                  help="every role's ('fsdp', 'tp') mesh over the first FSDP x TP devices: tunix "
+                       "shards the trainer, the rollout decodes on it (rows over fsdp, weights "
+                       "and KV cache over tp; tp must divide the model's KV heads)")
   ap.add_argument("--quick", action="store_true",
                   help="CI-sized: 2 steps of 2 problems x 2, 16 tokens; SpecRoll with the fixed "
                        "budget, one bucket, no Reflex, no slow path (one program to compile)")
@@ -62,6 +67,14 @@ def parse(argv):
   _common.check_shared_flags(a, steps=1, lr=1e-12, temperature=0.0)
   if a.quick:
     a.steps, a.prompts, a.group, a.max_new_tokens, a.budget = 2, 2, 2, 16, "fixed"
+  try:
+    a.mesh_shape = tuple(int(x) for x in a.mesh.lower().split("x"))
+    assert len(a.mesh_shape) == 2 and min(a.mesh_shape) >= 1
+  except (ValueError, AssertionError):
+    cli.fail("--mesh", a.mesh, "expected FSDPxTP, e.g. 2x2")
+  if a.mesh_shape[0] * a.mesh_shape[1] > jax.device_count():
+    cli.fail("--mesh", a.mesh, f"needs {a.mesh_shape[0] * a.mesh_shape[1]} devices, there are "
+             f"{jax.device_count()}")
   return a
 
 
@@ -98,7 +111,13 @@ def main(argv=None):
   rc = base_rollout.RolloutConfig(max_tokens_to_generate=a.max_new_tokens,
                                   max_prompt_length=1 << (longest - 1).bit_length(),
                                   temperature=a.temperature, top_p=1.0, top_k=None, seed=a.seed)
-  mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  fsdp, tp = a.mesh_shape
+  mesh = Mesh(np.array(jax.devices()[:fsdp * tp]).reshape(fsdp, tp), ("fsdp", "tp"))
+  if tp > 1:
+    try:
+      ModelMesh(mesh, data="fsdp", model="tp").check_config(config)
+    except ValueError as e:
+      cli.fail("--mesh", a.mesh, str(e))
   cluster_config = rlc.ClusterConfig(
       role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
       rollout_engine=engine(a.proposer, heads, a), rollout_config=rc,

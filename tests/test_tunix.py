@@ -554,6 +554,18 @@ res["bad_axes"] = error(lambda: tt._backend(m1, mesh=mesh, mesh_axes=("data", "m
 res["kv_heads"] = error(lambda: tt._backend(
     m1, mesh=Mesh(np.array(jax.devices()).reshape(1, 4), ("fsdp", "tp"))))
 
+# experiments/tunix_grpo.py on a mesh: rows over fsdp (the embedded model's one KV head allows no
+# tp > 1: refused, naming it)
+from conftest import load_script
+script = load_script("tunix_grpo.py")
+run = script.main(["--quick", "--mesh", "2x1", "--out", {out!r}])
+res["script"] = {{"identical": run["first_step_identical"],
+                  "modes": [s["mode"] for s in run["steps"]]}}
+try:
+  script.main(["--quick", "--mesh", "1x2", "--out", {out!r}])
+except SystemExit as e:
+  res["script"]["tp2_exit"] = e.code
+
 t1, r1, _ = learn(one)
 t4, r4, split = learn(mesh)
 res["learner"] = {{"tokens": t1 == t4, "rewards": r1 == r4, "split": split, "steps": len(t4),
@@ -566,10 +578,12 @@ def test_decodes_on_tunix_mesh_same_tokens_and_rewards(tmp_path):
   """On a ('fsdp', 'tp') = (2, 2) mesh with the weights sharded by tunix's annotations, the
   backend decodes on the mesh (rows over fsdp, weights and cache over tp) and gives the
   single-device tokens, vanilla and speculative; tunix's GRPOLearner with every role on that mesh
-  records the same tokens and rewards as on one device."""
+  records the same tokens and rewards as on one device; experiments/tunix_grpo.py --mesh runs on
+  one and refuses a tp the model's KV heads do not allow."""
   from conftest import run_on_cpu_devices
   res = run_on_cpu_devices(tmp_path, _MESH_SCRIPT.format(
-      tests=str(__import__("pathlib").Path(__file__).parent)), timeout=900)
+      tests=str(__import__("pathlib").Path(__file__).parent), out=str(tmp_path / "run.json")),
+      timeout=900)
   assert "PartitionSpec('tp', 'fsdp')" in res["specs"] or "P('tp', 'fsdp')" in res["specs"], res
   assert res["vanilla"] and res["speculative"], res
   assert res["vanilla_on_mesh"] and res["speculative_on_mesh"], res
@@ -578,4 +592,6 @@ def test_decodes_on_tunix_mesh_same_tokens_and_rewards(tmp_path):
   assert lr["tokens"] and lr["rewards"], lr
   assert "('fsdp', 'tp')" in res["bad_axes"] and "'model'" in res["bad_axes"], res["bad_axes"]
   assert "num_kv_heads=2" in res["kv_heads"] and "'tp' of size 4" in res["kv_heads"], res
+  sc = res["script"]
+  assert sc["identical"] and sc["modes"] == ["speculative"] * 2 and sc["tp2_exit"] == 2, sc
 
