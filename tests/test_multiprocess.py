@@ -31,7 +31,7 @@ _WORKER = textwrap.dedent("""
     import json, sys
     mode, out, port, pid = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     import jax
-    if mode == "multi":
+    if mode.startswith("multi"):
       from specroll_jax import distributed
       distributed.initialize(f"127.0.0.1:{port}", 2, pid, timeout_s=60)
       assert jax.process_count() == 2 and jax.local_device_count() == 2, jax.devices()
@@ -64,7 +64,19 @@ _WORKER = textwrap.dedent("""
             "rewards": np.asarray(rewards, np.float32)}
     B = NP * G
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    if mode == "multi":
+    if mode == "multi2x2":
+      # data 2 x model 2: a process's two devices hold one data shard, the weights split over them
+      mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "model"))
+      assert {d.process_index for d in mesh.devices[jax.process_index()]} == {
+          jax.process_index()}
+      # and the rollouts on this process's own devices as model 2: the single-device tokens
+      from specroll_jax.mesh import ModelMesh
+      local = ModelMesh(Mesh(np.array(jax.local_devices()).reshape(1, 2), ("data", "model")))
+      lr = rollout.generate(config, local.shard_params(config, params), rep, sampling=samp,
+                            max_new_tokens=M, seed=3, eos_ids=EOS, sample_ids=sids,
+                            options=rollout.DecodeOptions(mesh=local))
+      local_tokens_equal = bool((np.asarray(lr.tokens) == np.asarray(r.tokens)).all())
+    if mode.startswith("multi"):
       # this process's rows of the global batch: the ones its devices hold under P("data")
       sharding = NamedSharding(mesh, P("data"))
       idx = sorted(s[0].indices(B)[:2] for s in sharding.addressable_devices_indices_map(
@@ -90,7 +102,11 @@ _WORKER = textwrap.dedent("""
     after = flat(state.params)
     res = {"rows": [lo, hi], "metrics": mets, "process": jax.process_index(),
            "checksum": float(sum(np.abs(x).astype(np.float64).sum() for x in after.values()))}
-    if mode == "multi":
+    if mode == "multi2x2":
+      res["local_tokens_equal"] = local_tokens_equal
+      q = jax.tree.leaves(state.params["layers"]["q_proj"])[-1]
+      res["q_split"] = list(q.sharding.shard_shape(q.shape)) != list(q.shape)
+    if mode.startswith("multi"):
       # every process saves (orbax coordinates: process 0 writes the metadata and commits the
       # step after a barrier); every process restores into the same global shardings
       ck = Checkpointer(out + "/ckpt", async_save=False)
@@ -101,6 +117,9 @@ _WORKER = textwrap.dedent("""
       back = flat(restored.params)
       res["meta"] = meta
       res["restored_sharding"] = str(jax.tree.leaves(restored.params)[0].sharding)
+      res["restored_same_sharding"] = all(
+          x.sharding.is_equivalent_to(y.sharding, x.ndim) for x, y in
+          zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True))
       res["restored_equal"] = all(bool((back[k] == after[k]).all()) for k in after)
       res["restored_step"] = int(np.asarray(restored.step))
       if jax.process_index() == 0:
@@ -187,6 +206,34 @@ def test_grpo_step_two_processes_equals_one_process_and_checkpoints(tmp_path):
   back = np.load(tmp_path / "restored.npz")
   assert all((back[k] == a[k]).all() for k in keys)
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["2"]
+
+
+
+@pytest.mark.slow  # three subprocesses, about a minute
+def test_data_x_model_two_processes_equals_one_process(tmp_path):
+  """Data 2 x model 2 over two processes of two devices (each process one data shard, the
+  weights, the reference and Adam's moments split over its two devices) gives one process x 4
+  devices' update; each process's own rollouts on its devices as model 2 give the single-device
+  tokens; the model-split state checkpoints and restores with its shardings."""
+  script = tmp_path / "worker.py"
+  script.write_text(_WORKER)
+  port = _free_port()
+  cmds = [[sys.executable, str(script), "multi2x2", str(tmp_path), str(port), str(i)]
+          for i in range(2)] + [[sys.executable, str(script), "single", str(tmp_path), "0", "0"]]
+  *multi, single = _run_all(cmds, [_env(2), _env(2), _env(4)], timeout=300)
+  print(json.dumps({"multi": multi, "single": single}))
+  assert [m["rows"] for m in multi] == [[0, 16], [16, 32]]
+  assert all(m["local_tokens_equal"] and m["q_split"] for m in multi), multi
+  a, b, init = (np.load(tmp_path / f"{n}.npz") for n in ("multi2x2", "single", "initial"))
+  keys = sorted(init.files)
+  diff = max(float(np.abs(a[k] - b[k]).max()) for k in keys)
+  update = max(float(np.abs(a[k] - init[k]).max()) for k in keys)
+  assert update > 2e-4 and diff <= 1e-5, (diff, update)
+  for m_multi, m_single in zip(multi[0]["metrics"], single["metrics"], strict=True):
+    for k in ("loss", "grad_norm", "ratio_mean", "ref_kl"):
+      assert abs(m_multi[k] - m_single[k]) <= 1e-5 * max(1.0, abs(m_single[k])), (k, m_multi)
+  for m in multi:
+    assert m["restored_equal"] and m["restored_same_sharding"] and m["restored_step"] == 2, m
 
 
 _UNREACHABLE = textwrap.dedent("""
