@@ -16,10 +16,11 @@ devices with abstract inputs placed as ``ModelMesh.shard_params`` / ``constrain_
   mask) and a sample at every node (what a speculative step's target forward does).
 
 Memory per device: the weights and the KV cache each device holds (from the shardings; what the
-accelerator keeps resident), and XLA's compile-time analysis of the partitioned program's
-temporaries. The temporaries are XLA:CPU's: it computes bfloat16 dots in float32 and relayouts
-weight matrices for its dot kernels, so they overstate an accelerator's; they fall with the model
-axis as the weights do. Collective bytes per step are read from the compiled HLO
+accelerator keeps resident; XLA's compile-time analysis of the partitioned program gives the same
+argument bytes), and that analysis's temporaries. The temporaries are XLA:CPU's with the jnp
+reference attention (the CPU's path: it expands the cache's KV heads to the query heads in float32
+for every layer, where the Pallas kernels read the cache in place) and float32 dots, so they
+overstate an accelerator's many times; they fall with the model axis as the weights do. Collective bytes per step are read from the compiled HLO
 (``mesh.collectives``): the programs of the same shape with 1 and 2 layers give the per-layer and
 the fixed part, so a collective inside the layer loop counts once per layer. The time columns are
 on paper: weight and KV bytes per device read once at the HBM bandwidth, plus the all-reduce bytes
@@ -60,7 +61,7 @@ from specroll_jax.models.widen import QWEN25_SHAPES  # noqa: E402
 from specroll_jax.sampling import SamplingConfig, sample_from_hidden  # noqa: E402
 
 GB = 1e9
-LOOP = ["scan"]
+LOOP = [None]  # the library's layer loop (decoder.LayerLoop()): per-layer cache buffers
 MACHINES = {"TPU v5e-8": (819e9, 200e9), "8x H100": (3.35e12, 450e9)}  # (HBM, link) bytes/s
 
 
@@ -114,7 +115,7 @@ def programs(config, mm: ModelMesh, rows: int, cache: int, nodes: int):
                                   cfg, kern)
     return s, lp, out.k_new, out.v_new
 
-  with decoder.layer_loop(LOOP[0]):
+  with decoder.layer_loop(LOOP[0] or decoder.layer_loop_policy()):
     return {
         "decode": jax.jit(decode, donate_argnums=1).lower(params, kv, tok(1)).compile(),
         "verify": jax.jit(verify).lower(params, kv, tok(nodes + 1)).compile()}
