@@ -20,13 +20,14 @@ accelerator keeps resident; XLA's compile-time analysis of the partitioned progr
 argument bytes), and that analysis's temporaries. The temporaries are XLA:CPU's with the jnp
 reference attention (the CPU's path: it expands the cache's KV heads to the query heads in float32
 for every layer, where the Pallas kernels read the cache in place) and float32 dots, so they
-overstate an accelerator's many times; they fall with the model axis as the weights do. Collective bytes per step are read from the compiled HLO
-(``mesh.collectives``): the programs of the same shape with 1 and 2 layers give the per-layer and
-the fixed part, so a collective inside the layer loop counts once per layer. The time columns are
-on paper: weight and KV bytes per device read once at the HBM bandwidth, plus the all-reduce bytes
-through a ring (2 (m - 1) / m of them per device) at the interconnect bandwidth, for a TPU v5e-8
-(819 GB/s HBM, 200 GB/s ICI per chip) and 8 H100 SXM (3.35 TB/s HBM, 450 GB/s NVLink per direction);
-latency per collective not included. Writes JSON to --out.
+overstate an accelerator's many times; they fall with the model axis as the weights do. Collective
+bytes per step are read from the compiled HLO (``mesh.collectives``): the programs of the same shape
+with 1 and 2 layers give the per-layer and the fixed part, so a collective inside the layer loop
+counts once per layer. The time columns are on paper: weight and KV bytes per device read once at
+the HBM bandwidth, plus the all-reduce bytes through a ring (2 (m - 1) / m of them per device) at
+the interconnect bandwidth, for a TPU v5e-8 (819 GB/s HBM, 200 GB/s ICI per chip) and 8 H100 SXM
+(3.35 TB/s HBM, 450 GB/s NVLink per direction); latency per collective not included.
+Writes JSON to --out.
 """
 
 from __future__ import annotations
