@@ -18,7 +18,13 @@ rewritten after every case (``device_check.Report``); no case starts after --bud
    defaults (one warm-up batch of other prompts first, its programs compiled there): tau, the
    wall-clock ratio, ms per forward, peak device memory, identical tokens, compile seconds. The
    cost model is measured once (T = 1) and shared by the other temperatures' objects;
-3. the main job itself on the widened model (``experiments/gsm8k.py --widen``, a few GRPO steps
+3. on a machine with several devices, per model axis size m of --mesh-models that divides the
+   device count (``specroll_jax.mesh``; --mesh-shape widened, Qwen2.5-7B by default: its 4 KV heads
+   allow m = 2 and 4, m = 8 is refused and recorded so): the weights and KV cache split over m
+   devices, a batch by the vanilla engine on the mesh and by ``SpecRoll(mesh=...)`` after a
+   warm-up batch: identical tokens to one device's vanilla run (where the model fits one device),
+   seconds against one device, tau, weight bytes and peak memory per device;
+4. the main job itself on the widened model (``experiments/gsm8k.py --widen``, a few GRPO steps
    with SpecRoll, then with the vanilla engine): the end-to-end step ratio, in a subprocess with
    a hard timeout from the time left.
 A persistent compilation cache under ``<out>/jax-cache`` lets the subprocess reuse what this
@@ -125,6 +131,63 @@ def split_case(a, interpret):
   return case
 
 
+def mesh_shape(a):
+  if a.quick:  # two KV heads (the quick widening has one): model axis 2
+    return models.WideShape(hidden_size=256, num_layers=6, num_heads=6, num_kv_heads=2,
+                            head_dim=64, intermediate_size=768)
+  return models.QWEN25_SHAPES[a.mesh_shape]
+
+
+def mesh_case(a, state, m: int):
+  """Rollouts with the weights and KV cache over ``m`` devices (module docstring, case 3)."""
+  from specroll_jax.mesh import ModelMesh, make_mesh
+
+  def case():
+    if "mesh_model" not in state:
+      config, params, tok, path = pipeline.load_model(None, progress=False)
+      heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
+      config, params, heads = models.widen(config, params, mesh_shape(a), key=jax.random.key(0),
+                                           heads=heads, dtype=a.dtype)
+      state["mesh_model"] = config, params, heads, tok
+    config, params, heads, tok = state["mesh_model"]
+    mm = ModelMesh(make_mesh(1, m))
+    mm.check_config(config)  # a refusal is this case's recorded error
+    exs = tasks.Task(name="gsm8k").examples("test")[: a.prompts]
+    warm = tasks.Task(name="gsm8k").examples("train")[: a.prompts]
+    enc = lambda es: [tok.encode(gsm8k.format_prompt(e.question)) for e in es]
+    sampling = rollout.SamplingConfig(temperature=1.0)
+    sharded = mm.shard_params(config, params)
+    sr = SpecRoll(config, sampling=sampling, group_size=a.group, max_new_tokens=a.max_new_tokens,
+                  mesh=mm)
+    if a.quick:
+      sr = dataclasses.replace(sr, budget="fixed", spec=SpecConfig(bucket_fractions=(1.0,)))
+    ids = np.arange(a.prompts)
+    st = sr.init(heads)
+    _, st = sr.generate(sharded, sr.batch(enc(warm), 10_000 + ids), st, seed=1)  # compiles
+    batch = sr.batch(enc(exs), ids)
+
+    def van(p, mesh):
+      return rollout.generate(config, p, batch.tokens, prompt_lengths=batch.lengths,
+                              sample_ids=batch.sample_ids, sampling=sampling,
+                              max_new_tokens=a.max_new_tokens, seed=0, eos_ids=sr.eos_ids,
+                              options=rollout.DecodeOptions(cache_length=batch.rows.cache_length,
+                                                            mesh=mesh))
+    one, t_one, _ = _common.timed(lambda: van(params, None), 1)
+    ref, t_van, c_van = _common.timed(lambda: van(sharded, mm), 1)
+    out, _ = sr.generate(sharded, batch, st, seed=0)
+    r = out.report
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mm.mesh.devices.flat]
+    same = lambda x: bool((np.asarray(x.tokens) == np.asarray(one.tokens)).all())
+    return {"model_axis": m, "vanilla_identical": same(ref), "specroll_identical": same(out),
+            "one_device_seconds": t_one, "vanilla_seconds": t_van,
+            "vanilla_vs_one_device": t_one / max(t_van, 1e-9), "specroll_seconds":
+            r.rollout_seconds, "speedup": t_van / max(r.rollout_seconds, 1e-9), "tau": r.tau,
+            "mode": r.mode, "weight_bytes_per_device": mm.per_device_bytes(sharded),
+            "peak_bytes_per_device": peaks, "compile_s": r.compile_seconds,
+            "vanilla_compile_s": c_van}
+  return case
+
+
 def main_job(report, a, out: Path):
   left = report.left()
   if left < 60:
@@ -163,6 +226,10 @@ def main(argv=None):
   ap.add_argument("--budget-s", type=float, default=420.0,
                   help="no case starts, and the main job is stopped, after this many seconds")
   ap.add_argument("--skip-job", action="store_true")
+  ap.add_argument("--mesh-shape", default="7b", choices=sorted(models.QWEN25_SHAPES),
+                  help="the shape widened for the model-parallel cases (several devices only)")
+  ap.add_argument("--mesh-models", type=int, nargs="+", default=[2, 4, 8],
+                  help="model axis sizes of the model-parallel cases (those <= the device count)")
   ap.add_argument("--quick", action="store_true",
                   help="CPU smoke run: a tiny widening, 2 prompts x 2, 16 tokens, T = 1")
   a = ap.parse_args(argv)
@@ -191,6 +258,10 @@ def main(argv=None):
   for task in ("synthetic", "gsm8k"):
     for t in a.temperatures:
       cases.append((f"rollout/{task}_T{t}", rollout_case(a, state, task, t)))
+  if jax.device_count() > 1:
+    for m in a.mesh_models:
+      if m <= jax.device_count():
+        cases.append((f"mesh/model{m}", mesh_case(a, state, m)))
   for name, fn in cases:
     report.run(name, fn)
   if not a.skip_job:

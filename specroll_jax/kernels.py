@@ -12,6 +12,7 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import tree_attention as _ta
@@ -95,6 +96,9 @@ def per_shard(fn, mesh: ModelMesh, in_specs, out_specs, rows: str | None):
 
 def _per_shard_attention(fn, mesh: ModelMesh):
   def attend(q, k_cache, v_cache, lengths, k_new, v_new, mask):
+    if k_cache.shape[1] == 0:  # a forward without a cache: one slot past every row's length,
+      pad = ((0, 0), (0, 1), (0, 0), (0, 0))  # so masked (zero-size operands of a shard_map
+      k_cache, v_cache = jnp.pad(k_cache, pad), jnp.pad(v_cache, pad)  # crash XLA in jax 0.11)
     heads = lambda r: P(r, None, mesh.model, None)
     ins = lambda r: (heads(r), heads(r), heads(r), P(r), heads(r), heads(r), P(r))
     return per_shard(fn, mesh, ins, heads, mesh.rows(q.shape[0]))(

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import xla_flags
 
 SCRIPT = Path(__file__).resolve().parents[1] / "experiments" / "device_check.py"
 
@@ -53,11 +54,13 @@ DEVICE_RUN = SCRIPT.with_name("device_run.py")
 @pytest.mark.slow  # the engine against the references, then SpecRoll on a small widening
 def test_device_run_smoke_on_cpu(tmp_path):
   """experiments/device_run.py --quick: every case runs on the CPU (a tiny widening of the
-  embedded model), SpecRoll's rows commit the vanilla tokens, and the JSON holds every case."""
+  embedded model), SpecRoll's rows commit the vanilla tokens, and the JSON holds every case; with
+  two host devices the model-parallel case runs at model axis 2 (and records 4 and 8 as not
+  run: more than the devices)."""
   proc = subprocess.run([sys.executable, str(DEVICE_RUN), "--quick", "--out", str(tmp_path),
                          "--budget-s", "3000"],
                         capture_output=True, text=True, timeout=1200,
-                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+                        env=dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=xla_flags(2)))
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   report = json.loads((tmp_path / "device_run.json").read_text())
   cases = report["cases"]
@@ -68,3 +71,6 @@ def test_device_run_smoke_on_cpu(tmp_path):
   for r in rows.values():
     assert r["identical"] and r["tau"] > 1.0 and r["mode"] == "speculative"
   assert report["summary"]["error"] == 0 and report["summary"]["skipped"] == 0
+  mesh = cases["mesh/model2"]["result"]
+  assert mesh["vanilla_identical"] and mesh["specroll_identical"] and mesh["tau"] > 1.0, mesh
+  assert "mesh/model4" not in cases
