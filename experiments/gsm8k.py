@@ -153,6 +153,10 @@ def parse(argv):
                   help="several processes: process 0's address (with --num-processes, "
                        "--process-id; see specroll_jax.distributed)")
   ap.add_argument("--num-processes", type=int, default=None, help="processes in the run")
+  ap.add_argument("--model-axis", type=int, default=1,
+                  help="split the weights, optimizer state and KV cache over this many devices "
+                       "(a (data, model) mesh; it must divide each process's devices and the "
+                       "model's heads, KV heads, vocabulary and FFN width)")
   ap.add_argument("--process-id", type=int, default=None, help="this process, 0 .. N-1")
   a = ap.parse_args(argv)
   check_processes(a)
@@ -165,7 +169,8 @@ def parse(argv):
       setattr(a, name, if_syn if syn else if_gsm8k)
   cli.require(a, steps=1, prompts=1, group=1, max_new_tokens=1, eval_every=0, seed=0, top_k=0,
               beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0,
-              reflex_sleep_max=0, records_per_batch=1, slow_step_chunks=0, slow_bootstrap=0)
+              reflex_sleep_max=0, records_per_batch=1, slow_step_chunks=0, slow_bootstrap=0,
+              model_axis=1)
   if a.slow_refresh_budget is not None and not 0 <= a.slow_refresh_budget < float("inf"):
     cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
   if a.slow_records is not None:
@@ -258,7 +263,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
                    rollout=rollout_kind, spec=spec, reflex=reflex, slow=slow,
                    records_per_batch=a.records_per_batch, kernels=a.kernels,
                    eval_every=a.eval_every, eval_prompts=a.eval_prompts,
-                   goodput=a.budget == "goodput", vanilla_buckets=buckets)
+                   goodput=a.budget == "goodput", vanilla_buckets=buckets,
+                   model_axis=a.model_axis)
 
 
 def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[list, dict, Run]:
@@ -354,6 +360,15 @@ def main(argv=None):
     config, params, heads = models.widen(config, params, QWEN25_SHAPES[a.widen],
                                          key=jax.random.key(a.seed), heads=heads, dtype=a.dtype)
     print(f"widened to the Qwen2.5-{a.widen} shape (models.widen: the same function)", flush=True)
+  if a.model_axis > 1:
+    from specroll_jax.mesh import ModelMesh, make_mesh
+    if jax.local_device_count() % a.model_axis:
+      cli.fail("--model-axis", a.model_axis, f"does not divide this process's "
+               f"{jax.local_device_count()} devices")
+    try:
+      ModelMesh(make_mesh(1, a.model_axis, devices=jax.local_devices())).check_config(config)
+    except ValueError as e:
+      cli.fail("--model-axis", a.model_axis, str(e))
   source = a.heads or "shipped beside the model, or fitted"
   if a.cold_start:  # SpecRoll.init("learn"): fresh heads the slow path learns
     heads, source = "learn", "none: learned from the policy's own rollouts (--cold-start)"

@@ -236,6 +236,71 @@ def test_data_x_model_two_processes_equals_one_process(tmp_path):
     assert m["restored_equal"] and m["restored_same_sharding"] and m["restored_step"] == 2, m
 
 
+
+@pytest.mark.slow  # three subprocesses of the main job on a widened model, a few minutes
+def test_main_job_data_x_model_on_two_processes(tmp_path):
+  """``experiments/gsm8k.py --model-axis 2`` in two processes of two devices (data 2 x model 2:
+  the weights, the reference and Adam's moments split over each process's two devices, its
+  rollouts with SpecRoll on them) against one process of four devices with the whole model on
+  every device: the same rewards and tokens' figures, updates equal within float rounding. The
+  model is the embedded one widened to 6 query / 2 KV heads (a folder and heads file written
+  here); the embedded model itself (one KV head) is refused."""
+  import shutil
+
+  import jax
+
+  import specroll_jax
+  from specroll_jax import cond_heads, models
+  from specroll_jax.models.widen import WideShape, widen
+  asset = Path(specroll_jax.__file__).parent / "assets" / "gsm8k-tiny"
+  config, params = models.load_pretrained(asset)
+  shape = WideShape(hidden_size=192, num_layers=4, num_heads=6, num_kv_heads=2, head_dim=64,
+                    intermediate_size=512)
+  wc, wp, wh = widen(config, params, shape, key=jax.random.key(0),
+                     heads=cond_heads.load(asset / "cond_heads.safetensors"))
+  model = tmp_path / "wide"
+  models.save_pretrained(model, wc, wp)
+  for f in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(asset / f, model / f)
+  cond_heads.save(tmp_path / "heads.safetensors", wh)
+  port = _free_port()
+  flags = ["--model", str(model), "--heads", str(tmp_path / "heads.safetensors"),
+           "--rollout", "specroll", "--budget", "fixed", "--steps", "2", "--prompts", "4",
+           "--group", "4", "--max-new-tokens", "16", "--eval-prompts", "8", "--lr", "1e-3",
+           "--warmup", "0", "--no-compare", "--buckets", "1.0"]
+  job = [sys.executable, str(ROOT / "experiments" / "gsm8k.py"), *flags]
+  cmds = [job + ["--out", str(tmp_path / "multi"), "--model-axis", "2", "--coordinator",
+                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+          for i in range(2)]
+  cmds.append(job + ["--out", str(tmp_path / "single")])
+  envs = [dict(e, HOME=str(tmp_path / "home")) for e in (_env(2), _env(2), _env(4))]
+  procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for c, e in zip(cmds, envs, strict=True)]
+  try:
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
+    assert p.returncode == 0, f"process {i}:\n{log[-3000:]}"
+  read = lambda d: [json.loads(x) for x in (tmp_path / d / "specroll" / "metrics.jsonl")
+                    .read_text().splitlines()]
+  multi, single = read("multi"), read("single")
+  assert len(multi) == len(single) == 2
+  for a, b in zip(multi, single, strict=True):
+    for k in ("reward_mean", "accuracy", "response_tokens", "groups_mixed"):
+      assert a[k] == b[k], (k, a[k], b[k])
+    assert a["mode"] == b["mode"] == "speculative" and a["tau"] > 1.0
+    for k in ("loss", "grad_norm", "entropy"):
+      assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (k, a[k], b[k])
+  assert any(r["grad_norm"] > 0 for r in single)
+  refused = subprocess.run([sys.executable, str(ROOT / "experiments" / "gsm8k.py"),
+                            "--model-axis", "2", "--steps", "1", "--out", str(tmp_path / "no")],
+                           env=_env(2), capture_output=True, text=True, timeout=300)
+  assert refused.returncode == 2 and "num_kv_heads=1" in refused.stderr, refused.stderr[-2000:]
+
+
 _UNREACHABLE = textwrap.dedent("""
     import sys, time
     from specroll_jax import distributed

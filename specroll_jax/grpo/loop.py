@@ -75,6 +75,10 @@ class RunConfig:
   vanilla_buckets: the vanilla engine's row buckets (``rollout.generate``'s ``bucket_fractions``;
     None: the engine's default). Each bucket is one more decode loop to compile; ``(1.0,)`` is one
     loop, for short runs where compile time dominates. The tokens are the same for any buckets.
+  model_axis: the weights, the reference, Adam's moments and the rollouts' KV cache split over
+    this many devices (``specroll_jax.mesh``): the train step on the global (data, model) mesh,
+    each process's rollouts on its own devices as (local / model_axis, model_axis). 1: every
+    device holds the whole model.
   """
 
   grpo: GRPOConfig = GRPOConfig()
@@ -98,6 +102,7 @@ class RunConfig:
   goodput: bool = True
   cost_nodes: tuple[int, ...] = DEFAULT_COST_NODES
   vanilla_buckets: tuple[float, ...] | None = None
+  model_axis: int = 1
 
   def __post_init__(self):
     if self.vanilla_buckets is not None:
@@ -106,7 +111,7 @@ class RunConfig:
     if self.spec is None:
       object.__setattr__(self, "spec", SpecConfig.auto())
     for name in ("prompts_per_step", "max_new_tokens", "steps", "eval_prompts",
-                 "keep_checkpoints", "records_per_batch"):
+                 "keep_checkpoints", "records_per_batch", "model_axis"):
       check_int(self, name, 1)
     for name in ("eval_every", "seed", "data_seed"):
       check_int(self, name, 0)

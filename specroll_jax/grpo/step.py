@@ -234,13 +234,18 @@ def place(mesh: Mesh, state, rows, replicated=()):
   On a (data, model) mesh the parameters, the reference and the optimizer's moments are split
   over ``model`` as ``ModelMesh.shard_params`` splits the weights (by their path's layer names)."""
   rows = jax.device_put(rows, NamedSharding(mesh, P(AXIS)))
+  return (place_state(mesh, state), rows) + tuple(place_state(mesh, x) for x in replicated)
+
+
+def place_state(mesh: Mesh, tree):
+  """``tree`` (a ``TrainState``, parameters) as the steps take it: replicated over ``mesh``, or
+  on a (data, model) mesh split over ``model`` as ``ModelMesh.shard_params`` splits the weights
+  (by each leaf's path: the optimizer's moments follow their parameters)."""
   if _model_axis(mesh) is None:
-    rep = NamedSharding(mesh, P())
-    return (jax.device_put(state, rep), rows) + tuple(jax.device_put(x, rep) for x in replicated)
+    return jax.device_put(tree, NamedSharding(mesh, P()))
   mm = _mesh.ModelMesh(mesh)
-  split = lambda tree: jax.tree_util.tree_map_with_path(
+  return jax.tree_util.tree_map_with_path(
       lambda p, x: jax.device_put(x, NamedSharding(mesh, mm.param_spec(p, x))), tree)
-  return (split(state), rows) + tuple(split(x) for x in replicated)
 
 
 def check_batch(batch: Batch, config: ModelConfig, cfg: GRPOConfig, mesh: Mesh) -> None:

@@ -26,7 +26,8 @@ from specroll_jax import adaptation as _adapt
 from specroll_jax import rewards as _rewards
 from specroll_jax import rollout as _rollout
 from specroll_jax.grpo.loss import group_advantages
-from specroll_jax.grpo.step import AXIS, Batch, TrainState, make_train_step
+from specroll_jax.grpo.step import AXIS, Batch, TrainState, make_train_step, place_state
+from specroll_jax.mesh import ModelMesh, make_mesh
 from specroll_jax.reports import SlowReport
 from specroll_jax.results import Rollout
 from specroll_jax.specroll import SpecRoll
@@ -177,25 +178,33 @@ class GRPOTrainer:
     if self.cache_length > config.max_position_embeddings:
       raise ValueError(f"prompt width {prompt_width} + max_new_tokens {run.max_new_tokens} "
                        f"exceeds max_position_embeddings {config.max_position_embeddings}")
-    self.train_step = make_train_step(config, run.grpo)
+    self.rollout_mesh = None
+    mesh = None
+    if run.model_axis > 1:  # (data, model): the train step's global mesh, each process's own
+      m, local = run.model_axis, jax.local_device_count()
+      if local % m:
+        raise ValueError(f"RunConfig.model_axis={m} does not divide this process's {local} "
+                         "devices (each process decodes its rows on its own devices)")
+      mesh = make_mesh(jax.device_count() // m, m)
+      self.rollout_mesh = ModelMesh(make_mesh(local // m, m, devices=jax.local_devices()))
+      self.rollout_mesh.check_config(config)
+    self.train_step = make_train_step(config, run.grpo, mesh=mesh)
     self.num_processes = jax.process_count()
     self.rows_sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
     self.rows_local = self._local_rows()
-    # replicated over the mesh, as every step returns it: the rollout's jit then sees the same
-    # parameter sharding at every step (one compile)
-    self.replicated = NamedSharding(self.train_step.mesh, PartitionSpec())
     # "static-heads": the plain heads, proposing as SpecRoll's do with Reflex off or asleep
     self.static = None
     if run.rollout == "static-heads":
       self.static = _adapt.heads_proposer(_adapt.AdaptationConfig(), heads)
-    self.sr = specroll_for(run, config, prompt_width) if run.rollout == "specroll" else None
+    self.sr = (specroll_for(run, config, prompt_width, self.rollout_mesh)
+               if run.rollout == "specroll" else None)
     self._heads = heads
     self._step_seconds = None  # the last step's (timing only: the heads' learning budget)
 
   def init(self, train: TrainState) -> LoopState:
     """The state of step 0: ``train`` replicated over the mesh, a fresh ``SpecRoll`` state."""
     sr = None if self.sr is None else self.sr.init(self._heads)
-    return LoopState(train=jax.device_put(train, self.replicated), specroll=sr, step=0)
+    return LoopState(train=place_state(self.train_step.mesh, train), specroll=sr, step=0)
 
   def _local_rows(self) -> slice:
     """The rows of a step's batch this process decodes: those its devices hold under P("data")."""
@@ -213,9 +222,23 @@ class GRPOTrainer:
     return slice(lo, hi)
 
   def local(self, tree):
-    """``tree`` with every leaf this process's copy (a replicated global array's local shard)."""
-    return jax.tree.map(lambda x: x if getattr(x, "is_fully_addressable", True)
-                        else x.addressable_data(0), tree)
+    """``tree`` with every leaf this process's copy (a replicated global array's local shard; a
+    leaf split over the model axis: its shards on this process's devices, as one array on the
+    rollout mesh, nothing copied)."""
+    mm = self.rollout_mesh
+
+    def one(x):
+      if not isinstance(x, jax.Array) or (x.is_fully_addressable and (
+          mm is None or set(x.sharding.device_set) == set(mm.mesh.devices.flat))):
+        return x
+      if mm is None or x.sharding.is_fully_replicated:
+        return x.addressable_data(0) if mm is None else mm.replicate(x.addressable_data(0))
+      shards = {s.device: s.data for s in x.addressable_shards}
+      sharding = NamedSharding(mm.mesh, x.sharding.spec)
+      return jax.make_array_from_single_device_arrays(
+          x.shape, sharding, [shards[d] for d in sharding.addressable_devices])
+
+    return jax.tree.map(one, tree)
 
   def _global_batch(self, b: Batch) -> Batch:
     """This process's rows as the data-parallel step's global batch (one process: as is)."""
@@ -328,7 +351,7 @@ class GRPOTrainer:
     return new, StepResult(metrics=metrics, rows=rows)
 
 
-def specroll_for(run, config, prompt_width: int) -> SpecRoll:
+def specroll_for(run, config, prompt_width: int, mesh: ModelMesh | None = None) -> SpecRoll:
   """The ``SpecRoll`` object of a run (``grpo.loop.RunConfig``): its sampling, group size and
   lengths, the run's tree settings (``spec``; goodput or its fixed budget), Reflex and the slow
   path, prompts padded to the run's fixed width (one shape: one compile)."""
@@ -336,7 +359,7 @@ def specroll_for(run, config, prompt_width: int) -> SpecRoll:
                   group_size=run.grpo.group_size, reflex=run.reflex, slow=run.slow,
                   records_per_batch=run.records_per_batch, spec=run.spec,
                   budget="goodput" if run.goodput else "fixed", kernels=run.kernels,
-                  cost_nodes=run.cost_nodes, prompt_width=prompt_width)
+                  cost_nodes=run.cost_nodes, prompt_width=prompt_width, mesh=mesh)
 
 
 __all__ = ["GRPOTrainer", "LoopState", "StepBatch", "StepMetrics", "StepResult", "StepRows",
