@@ -244,7 +244,7 @@ def test_main_job_data_x_model_on_two_processes(tmp_path):
   rollouts with SpecRoll on them) against one process of four devices with the whole model on
   every device: the same rewards and tokens' figures, updates equal within float rounding. The
   model is the embedded one widened to 6 query / 2 KV heads (a folder and heads file written
-  here); the embedded model itself (one KV head) is refused."""
+  here); the embedded model itself (3 query heads, one KV head) is refused."""
   import shutil
 
   import jax
@@ -265,7 +265,8 @@ def test_main_job_data_x_model_on_two_processes(tmp_path):
   cond_heads.save(tmp_path / "heads.safetensors", wh)
   port = _free_port()
   flags = ["--model", str(model), "--heads", str(tmp_path / "heads.safetensors"),
-           "--rollout", "specroll", "--budget", "fixed", "--steps", "2", "--prompts", "4",
+           "--task", "synthetic", "--rollout", "specroll", "--budget", "fixed", "--steps", "2",
+           "--prompts", "4",
            "--group", "4", "--max-new-tokens", "16", "--eval-prompts", "8", "--lr", "1e-3",
            "--warmup", "0", "--no-compare", "--buckets", "1.0"]
   job = [sys.executable, str(ROOT / "experiments" / "gsm8k.py"), *flags]
@@ -298,7 +299,7 @@ def test_main_job_data_x_model_on_two_processes(tmp_path):
   refused = subprocess.run([sys.executable, str(ROOT / "experiments" / "gsm8k.py"),
                             "--model-axis", "2", "--steps", "1", "--out", str(tmp_path / "no")],
                            env=_env(2), capture_output=True, text=True, timeout=300)
-  assert refused.returncode == 2 and "num_kv_heads=1" in refused.stderr, refused.stderr[-2000:]
+  assert refused.returncode == 2 and "num_heads=3" in refused.stderr, refused.stderr[-2000:]
 
 
 _UNREACHABLE = textwrap.dedent("""

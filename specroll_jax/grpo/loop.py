@@ -29,7 +29,7 @@ from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k
 from specroll_jax.data.tasks import Task
 from specroll_jax.grpo.config import GRPOConfig
-from specroll_jax.grpo.step import init_train_state
+from specroll_jax.grpo.step import init_train_state, place_state
 from specroll_jax.grpo.trainer import (
   GRPOTrainer,
   LoopState,
@@ -187,7 +187,7 @@ class Run:
       log(f"--resume: no complete checkpoint in {self.out / 'checkpoints'}; starting at step 0")
     if latest is not None:
       saved, meta = self.ckpt.restore(like=self._saved())
-      self.state = LoopState(train=jax.device_put(saved["train"], self.trainer.replicated),
+      self.state = LoopState(train=place_state(self.trainer.train_step.mesh, saved["train"]),
                              specroll=self.trainer.local(saved["specroll"]),
                              step=int(meta["step"]) + 1)
       if self.writer:

@@ -192,6 +192,8 @@ class GRPOTrainer:
     self.num_processes = jax.process_count()
     self.rows_sharding = NamedSharding(self.train_step.mesh, PartitionSpec(AXIS))
     self.rows_local = self._local_rows()
+    # the replicated sharding of the train mesh (what the SpecRoll state is saved under)
+    self.replicated = NamedSharding(self.train_step.mesh, PartitionSpec())
     # "static-heads": the plain heads, proposing as SpecRoll's do with Reflex off or asleep
     self.static = None
     if run.rollout == "static-heads":
