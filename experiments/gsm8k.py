@@ -391,7 +391,7 @@ def main(argv=None):
     recs, compile_info, r = train(a, cfg, model, heads, out / kind, resume=resume)
     all_recs = ([m.to_dict() for m in read_metrics(out / kind / "metrics.jsonl")] if r.writer
                 else recs)
-    evals[kind] = held_out(cfg, model, r.local_params())
+    evals[kind] = held_out(cfg, model, r.local_params(), r.trainer.rollout_mesh)
     (g0, s0), (g1, s1) = evals["before"], evals[kind]
     print(f"[{kind}] held-out accuracy after {cfg.steps} steps: greedy {g1:.3f} (before "
           f"{g0:.3f}), sampled at T={a.temperature} {s1:.3f} (before {s0:.3f})", flush=True)
@@ -420,16 +420,17 @@ def main(argv=None):
   return results
 
 
-def held_out(cfg: RunConfig, model, params) -> tuple[float, float]:
+def held_out(cfg: RunConfig, model, params, mesh=None) -> tuple[float, float]:
   """Strict accuracy on the first ``cfg.eval_prompts`` test problems of the task: greedy, and one
   sample per problem under the run's sampling rule (fixed seed: the same responses for the same
-  parameters)."""
+  parameters); ``mesh``: the rollout mesh ``params`` are split over."""
   from specroll_jax import evaluation
   config, _, tok = model
   exs = cfg.task.examples("test")[: cfg.eval_prompts]
-  greedy = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens)
+  greedy = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens,
+                               mesh=mesh)
   sampled = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens,
-                                sampling=cfg.grpo.sampling, seed=10**6 + cfg.seed)
+                                sampling=cfg.grpo.sampling, seed=10**6 + cfg.seed, mesh=mesh)
   return greedy.accuracy_strict, sampled.accuracy_strict
 
 

@@ -23,10 +23,11 @@ class Accuracy:
 
 
 def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
-             batch_size: int = 32, sampling=None, seed: int = 0) -> Accuracy:
+             batch_size: int = 32, sampling=None, seed: int = 0, mesh=None) -> Accuracy:
   """Accuracy on ``examples`` (objects with ``question`` and ``gold``), one response each: greedy,
   or sampled with ``sampling`` (a ``SamplingConfig``; sample id = the example's index, ``seed``,
-  so the same call gives the same responses). Prompts padded to one width (one compile)."""
+  so the same call gives the same responses). Prompts padded to one width (one compile).
+  ``mesh``: decode on it (``rollout.DecodeOptions.mesh``; ``params`` placed for it)."""
   from specroll_jax import rewards, rollout
   from specroll_jax.data import gsm8k
   exs = list(examples)
@@ -47,7 +48,7 @@ def accuracy(config, params, tok, examples, *, max_new_tokens: int = 192,
                          max_new_tokens=max_new_tokens, eos_ids=tok.eos_ids,
                          sample_ids=np.arange(i, i + len(toks)),
                          options=rollout.DecodeOptions(
-                             cache_length=padded.shape[1] + max_new_tokens))
+                             cache_length=padded.shape[1] + max_new_tokens, mesh=mesh))
     out, out_lens = np.asarray(r.tokens), np.asarray(r.lengths)
     for row, e in enumerate(exs[sl]):
       text = tok.decode(out[row, : out_lens[row]].tolist())

@@ -296,6 +296,8 @@ def test_main_job_data_x_model_on_two_processes(tmp_path):
     for k in ("loss", "grad_norm", "entropy"):
       assert abs(a[k] - b[k]) <= 1e-5 * max(1.0, abs(b[k])), (k, a[k], b[k])
   assert any(r["grad_norm"] > 0 for r in single)
+  summary = lambda d: json.loads((tmp_path / d / "summary.json").read_text())["table"]["specroll"]
+  assert summary("multi")["held_out"] == summary("single")["held_out"]  # evaluated on the mesh
   refused = subprocess.run([sys.executable, str(ROOT / "experiments" / "gsm8k.py"),
                             "--model-axis", "2", "--steps", "1", "--out", str(tmp_path / "no")],
                            env=_env(2), capture_output=True, text=True, timeout=300)

@@ -271,7 +271,8 @@ class Run:
     from specroll_jax import evaluation
     exs = self.run.task.examples("test")[: self.run.eval_prompts]
     res = evaluation.accuracy(self.config, self.local_params(params), self.tok, exs,
-                              max_new_tokens=self.run.max_new_tokens)
+                              max_new_tokens=self.run.max_new_tokens,
+                              mesh=self.trainer.rollout_mesh)
     return res.accuracy_strict
 
   def close(self) -> None:
