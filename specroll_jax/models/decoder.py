@@ -169,11 +169,16 @@ def _scatter_rows(buf, new, slots, layer=None):
   """buf [B, L, ...] <- new [B, T, ...] at slots [B, T] (out-of-range slots dropped); with
   ``layer``, buf is stacked [B, Ly, L, ...] and that layer is written; with layer ``slice(None)``,
   new is [B, T, Ly, ...] and every layer is written."""
-  b, t = slots.shape
   slots = jnp.where(slots < 0, buf.shape[1 if layer is None else 2], slots)
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  index = (rows, slots) if layer is None else (rows, layer, slots)
-  return buf.at[index].set(new.astype(buf.dtype), mode="drop")
+  # one scatter per row, vmapped: the rows are a batch dimension of the scatter, so a cache split
+  # over rows (a data axis) is written where it lies, with no gather of the rows' K/V
+  if layer is None:
+    one = lambda buf, new, slots: buf.at[slots].set(new, mode="drop")
+  elif isinstance(layer, slice):  # every layer: a row's new is [T, Ly, ...], its buf [Ly, L, ...]
+    one = lambda buf, new, slots: buf.at[layer, slots].set(jnp.moveaxis(new, 0, 1), mode="drop")
+  else:
+    one = lambda buf, new, slots: buf.at[layer, slots].set(new, mode="drop")
+  return jax.vmap(one)(buf, new.astype(buf.dtype), slots)
 
 
 def rms_norm(x, scale, eps: float):
