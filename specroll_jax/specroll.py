@@ -30,6 +30,7 @@ into the state (host).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
 from collections.abc import Callable
@@ -92,7 +93,26 @@ MIN_PROMPT_WIDTH = 32  # prompts pad to a power of two at least this wide: few s
 
 
 def _owner(*parts) -> str:
-  return hashlib.sha1(repr(parts).encode()).hexdigest()[:16]
+  return hashlib.sha1(repr(_structural(parts)).encode()).hexdigest()[:16]
+
+
+def _structural(x):
+  """``x`` as plain values for a fingerprint that every process computes alike: dataclasses by
+  their fields, functions by their module and qualified name, ``functools.partial`` by its
+  function and arguments (a function's ``repr`` holds its address, which differs per process)."""
+  if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    return (type(x).__qualname__,
+            tuple((f.name, _structural(getattr(x, f.name))) for f in dataclasses.fields(x)))
+  if isinstance(x, functools.partial):
+    return ("partial", _structural(x.func), _structural(x.args),
+            tuple(sorted((k, _structural(v)) for k, v in x.keywords.items())))
+  if isinstance(x, tuple | list):
+    return tuple(_structural(v) for v in x)
+  if isinstance(x, dict):
+    return tuple(sorted((str(k), _structural(v)) for k, v in x.items()))
+  if callable(x) and hasattr(x, "__qualname__"):
+    return f"{getattr(x, '__module__', '?')}.{x.__qualname__}"
+  return repr(x)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -243,3 +243,56 @@ def test_store_state_matches_response_store():
     S.store_context(st, [0], [prompts[0]], vocab_size=51)
   with pytest.raises(ValueError, match="outside"):
     S.store_add(st, [0], [prompts[0]], np.full((1, 2), 50), np.array([2]))
+
+
+_OWNER_SCRIPT = """
+import functools
+from specroll_jax import SpecRoll, models
+
+def mapping(config, params):  # a caller's tree mapping (the tunix backend's is one such partial)
+  return params
+
+config = models.ModelConfig.tiny(vocab_size=64)
+sr = SpecRoll(config, max_new_tokens=4, params_from=functools.partial(mapping, config))
+print("OWNER", sr.owner(), sr.owner("x"), repr(sr.params_from) != "", flush=True)
+"""
+
+
+def _map_a(config, params):
+  return params
+
+
+def _map_b(config, params):
+  return params
+
+
+def test_owner_is_structural_across_processes(tmp_path):
+  """The state's fingerprint is the object's structure (settings, model, head family), never a
+  function's address: two processes with ``params_from`` set (as the tunix backend sets it) give
+  the same one, so a state saved by one is taken by the next; another mapping, another model in
+  it or other settings give another."""
+  import functools
+  import os
+  import subprocess
+  import sys
+  from pathlib import Path
+
+  from specroll_jax import models
+  script = tmp_path / "owner.py"
+  script.write_text(_OWNER_SCRIPT)
+  env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+         "JAX_PLATFORMS": "cpu"}
+  outs = [subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         timeout=300, env=env) for _ in range(2)]
+  assert all(o.returncode == 0 for o in outs), outs[0].stderr[-2000:]
+  lines = [next(x for x in o.stdout.splitlines() if x.startswith("OWNER")) for o in outs]
+  assert lines[0] == lines[1], lines
+  config = models.ModelConfig.tiny(vocab_size=64)
+  a = SpecRoll(config, max_new_tokens=4, params_from=functools.partial(_map_a, config))
+  assert a.owner() == SpecRoll(config, max_new_tokens=4,
+                               params_from=functools.partial(_map_a, config)).owner()
+  assert a.owner() != SpecRoll(config, max_new_tokens=4,
+                               params_from=functools.partial(_map_b, config)).owner()
+  assert a.owner() != SpecRoll(config, max_new_tokens=4, params_from=functools.partial(
+      _map_a, config.replace(rope_theta=1e6))).owner()
+  assert a.owner() != dataclasses.replace(a, max_new_tokens=5).owner()
