@@ -139,7 +139,10 @@ class SpecRoll:
   costs where it cannot pay). store_prompts, store_per_prompt: earlier responses kept
   (prompts, responses per prompt; None: G); 0 prompts: no store. calibration_strength /
   calibration_decay: ``calibration.init``'s. cost_nodes: node counts goodput measures and chooses
-  from. kernels: ``Kernels.resolve``'s choice. mesh: None (one device), or the rollout's ``Mesh``
+  from. kernels: ``Kernels.resolve``'s choice. on_nonfinite: a row whose logits turn NaN/inf stops
+  (never sampled); "raise": ``generate`` raises FloatingPointError naming the rows, "flag": it
+  warns, the rollout's ``stats.nonfinite`` marks them and the state learns nothing from them (no
+  store entry, no records). mesh: None (one device), or the rollout's ``Mesh``
   (axes "data" / "model") or ``specroll_jax.mesh.ModelMesh``: the weights and the KV cache split
   over the model axis, the rows over the data axis (``params`` placed by ``ModelMesh.shard_params``;
   the state replicated on the mesh). In a run of several processes each decodes its own rows: the
@@ -176,6 +179,7 @@ class SpecRoll:
   calibration_decay: float = 0.7
   cost_nodes: tuple[int, ...] = DEFAULT_COST_NODES
   kernels: str = "auto"
+  on_nonfinite: str = "raise"
   mesh: Any = None
   prompt_width: int | None = None
   params_from: Callable | None = None
@@ -211,6 +215,9 @@ class SpecRoll:
     if self.spec is None:
       object.__setattr__(self, "spec", SpecConfig.auto())
     check_type(self, "spec", SpecConfig)
+    if self.on_nonfinite not in ("raise", "flag"):
+      raise ValueError(f"SpecRoll.on_nonfinite must be 'raise' or 'flag', got "
+                       f"{self.on_nonfinite!r}")
     if self.budget not in BUDGETS:
       raise ValueError(f"SpecRoll.budget must be one of {BUDGETS}, got {self.budget!r}")
     if self.store_per_prompt is None:

@@ -6,6 +6,7 @@ processes every figure over every process's rows, and the state checked equal ev
 from __future__ import annotations
 
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +37,16 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
   t0 = time.perf_counter()
   nf = np.asarray(out.stats.nonfinite)
   if nf.any():
-    raise FloatingPointError(f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those "
-                             "rows were stopped")
+    msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
+    if sr.on_nonfinite == "raise":
+      raise FloatingPointError(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=4)
+  def clean(r):  # flagged rows: nothing to learn from (no response, no anchor, no NaN left)
+    if r is None or not np.asarray(r.stats.nonfinite).any():
+      return r
+    bad = r.stats.nonfinite
+    hidden = None if r.hidden is None else jnp.where(bad[:, None, None], 0, r.hidden)
+    return r.replace(lengths=jnp.where(bad, 0, r.lengths), hidden=hidden)
   stats = None if spec is None else spec.stats.spec.proposer
   tree = stats.tree if isinstance(stats, MergedReflexStats) else stats
   cal, expected = state.calibration, state.expected
@@ -66,14 +75,15 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
     ptoks, plens = distributed.all_rows(batch.tokens), distributed.all_rows(batch.lengths)
     store = _store.store_add(store, distributed.all_rows(batch.row_prompt_ids),
                              [ptoks[i, : plens[i]] for i in range(len(plens))],
-                             distributed.all_rows(out.tokens), distributed.all_rows(out.lengths))
+                             distributed.all_rows(out.tokens),
+                             distributed.all_rows(clean(out).lengths))
   slow, counts, events = None, (), []
   was_learning = adapt is not None and int(adapt.slow.monitor.learning) > 0
   if (adapt is not None and adapt.config.slow.mode != "off" and spec is not None
       and spec.hidden is not None):  # records from the rows that verified trees
     # the learning's budget: its share of the batches since the last that verified trees
     around = seconds if step_seconds is None else distributed.all_max(step_seconds)
-    adapt, slow, counts = slow_path(sr, params, adapt, batch, spec, seconds, seed,
+    adapt, slow, counts = slow_path(sr, params, adapt, batch, clean(spec), seconds, seed,
                                     float(around) * batches_since_trees(state))
     events = slow_events(slow, was_learning)
   acc = ()

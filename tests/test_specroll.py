@@ -3,6 +3,7 @@ merged tree, a probe), the state it carries (calibration, expected acceptance, s
 plans from a cost model, its checks, and the array-backed store against ``ResponseStore``."""
 
 import dataclasses
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -296,3 +297,33 @@ def test_owner_is_structural_across_processes(tmp_path):
   assert a.owner() != SpecRoll(config, max_new_tokens=4, params_from=functools.partial(
       _map_a, config.replace(rope_theta=1e6))).owner()
   assert a.owner() != dataclasses.replace(a, max_new_tokens=5).owner()
+
+
+def test_nonfinite_rows_raise_or_flag():
+  """A row whose logits turn NaN stops; ``on_nonfinite="raise"`` (default) raises naming it,
+  "flag" warns, marks it in ``stats.nonfinite`` and keeps it out of the state (the store holds
+  no response of it), and the next batch runs on."""
+  from specroll_jax import models
+  config = models.ModelConfig.tiny(vocab_size=64, tie_word_embeddings=False)
+  bad = models.init_params(jax.random.key(1), config)
+  bad["embed"]["embedding"] = bad["embed"]["embedding"].at[13].set(jnp.nan)
+  kw = dict(max_new_tokens=6, group_size=2, budget="fixed", eos_ids=(),
+            spec=SpecConfig(bucket_fractions=(1.0,)))
+  prompts, ids = [[1, 2, 3], [4, 13, 5]], np.array([0, 1])
+  sr = SpecRoll(config, **kw)
+  with pytest.raises(FloatingPointError, match=r"non-finite logits in rows \[2, 3\]"):
+    sr.generate(bad, sr.batch(prompts, ids), sr.init(None))
+  flag = SpecRoll(config, on_nonfinite="flag", **kw)
+  with pytest.warns(RuntimeWarning, match=r"rows \[2, 3\]"):
+    out, state = flag.generate(bad, flag.batch(prompts, ids), flag.init(None))
+  nf = np.asarray(out.stats.nonfinite)
+  assert nf.tolist()[2:] == [True, True] and np.isfinite(np.asarray(out.logprobs)).all()
+  held = S._to_store(state.store)
+  assert all(len(r) == 0 for r in held.responses(1))  # the flagged prompt's: none kept
+  assert [len(r) for r in held.responses(0)] == [6, 6]
+  with warnings.catch_warnings():  # (a row may sample token 13 and stop there: flagged too)
+    warnings.simplefilter("ignore", RuntimeWarning)
+    _, state2 = flag.generate(bad, flag.batch([[1, 2], [3, 4]], np.array([2, 3])), state)
+  assert int(state2.batches) == 2
+  with pytest.raises(ValueError, match="on_nonfinite must be 'raise' or 'flag'"):
+    SpecRoll(config, on_nonfinite="ignore", **kw)

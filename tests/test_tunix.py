@@ -595,3 +595,23 @@ def test_decodes_on_tunix_mesh_same_tokens_and_rewards(tmp_path):
   sc = res["script"]
   assert sc["identical"] and sc["modes"] == ["speculative"] * 2 and sc["tp2_exit"] == 2, sc
 
+
+
+def test_nonfinite_flag_with_specroll():
+  """``on_nonfinite="flag"`` through SpecRoll (not only the vanilla engine): a poisoned prompt's
+  rows are flagged with a warning, not raised; "raise" raises."""
+  model = _qwen2(seed=5)
+  state = nnx.state(model, nnx.Param)
+  pure = nnx.to_pure_dict(state)
+  bad = CharTokenizer().encode("z")[0]
+  pure["embedder"]["input_embedding"] = pure["embedder"]["input_embedding"].at[bad].set(jnp.nan)
+  nnx.replace_by_pure_dict(state, pure)
+  nnx.update(model, state)
+  kw = dict(proposer=PromptLookup(), proposer_params=(), specroll=FIXED, num_generations=2)
+  prompts = ["abc", "abc", "xyz", "xyz"]
+  with pytest.raises(FloatingPointError, match="non-finite"):
+    _backend(model, **kw).generate(prompts, RC)
+  flag = _backend(model, on_nonfinite="flag", **kw)
+  with pytest.warns(RuntimeWarning, match="non-finite"):
+    out = flag.generate(prompts, RC)
+  assert np.asarray(flag.last_rollout.stats.nonfinite)[2:].all() and len(out.tokens) == 4

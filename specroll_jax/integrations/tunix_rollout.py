@@ -391,7 +391,8 @@ class SpecRollRollout(base_rollout.BaseRollout):
     if key not in self._objects:
       kw = dict(max_new_tokens=m, sampling=sampling, group_size=self._num_generations or 1,
                 eos_ids=eos, proposer=self._proposer, kernels=self._kernels, prompt_width=width,
-                params_from=self._mapping(config), mesh=self._model_mesh)
+                params_from=self._mapping(config), mesh=self._model_mesh,
+                on_nonfinite=self._on_nonfinite)
       kw.update(self._specroll_kw)
       try:
         obj = SpecRoll(config, **kw)
