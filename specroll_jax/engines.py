@@ -111,6 +111,7 @@ class VanillaEngine:
 
   def jit(self, params, batch: PromptBatch) -> Rollout:
     """``self(params, batch)`` compiled (one program per engine and batch shape)."""
+    _dec.check_params(self.config, params)
     return _vanilla_call(self, params, batch)
 
 
@@ -152,6 +153,7 @@ class SpecEngine:
 
   def jit(self, params, proposer_params, batch: PromptBatch) -> Rollout:
     """``self(params, proposer_params, batch)`` compiled once per engine and batch shape."""
+    _dec.check_params(self.config, params)
     return _spec_call(self, params, proposer_params, batch)
 
   def start(self, params, proposer_params, batch: PromptBatch) -> _spec.SpecState:

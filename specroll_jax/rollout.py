@@ -33,6 +33,7 @@ from specroll_jax._fields import is_int as _is_int
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
+from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import HeadsProposer, Proposer, RankedHeads
 from specroll_jax.results import Rollout, RolloutStats, SpecStats
@@ -410,6 +411,7 @@ def _generate(config, params, prompts, sampling, max_new_tokens, seed, sample_id
   if on_nonfinite not in ("raise", "flag"):
     raise ValueError(f"on_nonfinite must be 'raise' or 'flag', got {on_nonfinite!r}")
   check_seed(seed)
+  _dec.check_params(config, params)
   kern = Kernels.resolve(kernels, mesh=opts.mesh)
   if kern.mesh is not None:
     kern.mesh.check_params(config, params)

@@ -54,6 +54,7 @@ from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
 from specroll_jax.mesh import ModelMesh
+from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import (
   GroupLookup,
@@ -256,6 +257,8 @@ class SpecRoll:
     """``params`` as the programs take them: on one device, or (on a mesh) checked to be placed
     as ``ModelMesh.shard_params`` places them (ValueError naming the leaf otherwise); another
     framework's tree (``params_from``) as it comes (GSPMD reads it where it lies)."""
+    if self.params_from is None:
+      _dec.check_params(self.config, params)
     if self.mesh is None:
       return place(params)
     if self.params_from is None:

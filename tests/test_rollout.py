@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import models, rollout, sampling
+from specroll_jax import engines, models, rollout, sampling
 from specroll_jax.proposers import PromptLookup
 from specroll_jax.rollout import SamplingConfig
 
@@ -185,3 +185,35 @@ def test_pad_prompts_widths_and_bad_width():
   with pytest.raises(ValueError,
                      match=r"width=16 is shorter than the longest prompt \(17 tokens\)"):
     rollout.pad_prompts(prompts, 16)
+
+
+def test_params_that_do_not_fit_the_config_are_refused():
+  """An embedding of the wrong vocabulary (``jnp.take`` would clip ids silently), parameters of
+  another dtype (a TypeError from inside ``lax.scan``) or a missing leaf: a ValueError naming
+  the leaf at every public entry, before anything compiles."""
+  from specroll_jax import SpecRoll
+  from specroll_jax import executables as exe
+  from specroll_jax.grpo import GRPOConfig, init_train_state, make_train_step
+  config = models.ModelConfig.tiny(vocab_size=64)
+  params = models.init_params(jax.random.key(0), config)
+  small = {**params, "embed": {"embedding": params["embed"]["embedding"][:10]}}
+  bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  gone = {k: v for k, v in params.items() if k != "final_norm"}
+  sr = SpecRoll(config, max_new_tokens=4, group_size=2)
+  b = engines.PromptBatch.from_prepared(rollout.prepare_batch(config, [[1, 2]],
+                                                              max_new_tokens=4), 0)
+  eng = engines.VanillaEngine.build(config, max_new_tokens=4, cache_length=b.tokens.shape[1] + 4)
+  n0 = exe.programs()
+  for bad, match in ((small, r"\['embed'\]\['embedding'\] has shape \(10, 64\)"),
+                     (bf16, r"is bfloat16; the config's dtype is float32"),
+                     (gone, r"missing \[\"\['final_norm'\]")):
+    with pytest.raises(ValueError, match=match):
+      rollout.generate(config, bad, [[1, 2]], max_new_tokens=4)
+    with pytest.raises(ValueError, match=match):
+      sr.generate(bad, sr.batch([[1, 2]], [0]), sr.init(None))
+    with pytest.raises(ValueError, match=match):
+      eng.jit(bad, b)
+  cfg = GRPOConfig(group_size=2)
+  with pytest.raises(ValueError, match=r"state.params\['embed'\]\['embedding'\] has shape"):
+    make_train_step(config, cfg)(init_train_state(small, cfg), None)
+  assert exe.programs() == n0

@@ -33,6 +33,7 @@ from specroll_jax.grpo.config import GRPOConfig
 from specroll_jax.grpo.logprobs import trainer_logprobs
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models.config import ModelConfig
+from specroll_jax.models.decoder import check_params
 
 AXIS = "data"
 
@@ -223,6 +224,7 @@ class TrainStep:
     return jax.jit(fn, donate_argnums=0)
 
   def __call__(self, state: TrainState, batch: Batch):
+    check_params(self.config, state.params, "state.params")
     check_batch(batch, self.config, self.cfg, self.mesh)
     state, batch = place(self.mesh, state, batch)
     return self.jitted(state, batch)

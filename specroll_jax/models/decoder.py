@@ -40,6 +40,7 @@ import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax.kernels import REFERENCE, Kernels
@@ -303,6 +304,47 @@ def init_params(key, config: ModelConfig):
       key, tokens, jnp.zeros((1, 2), jnp.int32), empty, empty, jnp.zeros((1,), jnp.int32),
       jnp.ones((1, 2, 2), bool))
   return variables["params"]
+
+
+@functools.lru_cache(maxsize=16)
+def _expected_leaves(config: ModelConfig) -> dict:
+  """{path: (shape, dtype)} of ``init_params``'s tree for ``config`` (traced once per config)."""
+  shapes = jax.eval_shape(lambda: init_params(jax.random.key(0), config))
+  return {jax.tree_util.keystr(p): (tuple(x.shape), jnp.dtype(x.dtype))
+          for p, x in jax.tree_util.tree_flatten_with_path(shapes)[0]}
+
+
+def check_params(config: ModelConfig, params, what: str = "params") -> None:
+  """ValueError naming the leaf unless ``params`` is the decoder's parameter tree for ``config``
+  (the same leaves, each of the config's shape and dtype; ``layers`` stacked, or unstacked by
+  ``unstack_layers``): what a wrong checkpoint, a vocabulary mismatch (``jnp.take`` would clip
+  token ids silently) or another dtype would otherwise do inside the compiled rollout."""
+  if not isinstance(params, dict) or "layers" not in params:
+    raise ValueError(f"{what} must be the decoder's parameter dict (with 'layers'), got "
+                     f"{type(params).__name__}")
+  layers = params["layers"]
+  if isinstance(layers, tuple | list):  # unstacked: compare the restacked shapes
+    if len(layers) != config.num_layers:
+      raise ValueError(f"{what}['layers'] holds {len(layers)} layers, the config "
+                       f"{config.num_layers}")
+    layers = jax.tree.map(lambda *a: jax.ShapeDtypeStruct((len(a), *a[0].shape), a[0].dtype),
+                          *layers)
+    params = {**params, "layers": layers}
+  want = _expected_leaves(config)
+  got = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+  missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+  if missing or extra:
+    raise ValueError(f"{what} does not fit the config: missing {missing[:4]}, unexpected "
+                     f"{extra[:4]}")
+  for name, (shape, dtype) in want.items():
+    x = got[name]
+    if tuple(np.shape(x)) != shape:
+      raise ValueError(f"{what}{name} has shape {tuple(np.shape(x))}; the config "
+                       f"(vocab_size={config.vocab_size}, hidden_size={config.hidden_size}, "
+                       f"num_layers={config.num_layers}, ...) needs {shape}")
+    if jnp.dtype(x.dtype) != dtype:
+      raise ValueError(f"{what}{name} is {jnp.dtype(x.dtype).name}; the config's dtype is "
+                       f"{dtype.name} (cast the parameters or set ModelConfig.dtype)")
 
 
 def unstack_layers(params):
