@@ -159,15 +159,17 @@ class ModelMesh:
       return P(*((None,) * (ndim - 2)), self.model, None)
     return P()
 
-  def param_specs(self, params):
-    return jax.tree_util.tree_map_with_path(self.param_spec, params)
-
   def shard_params(self, config: ModelConfig, params):
     """The decoder's parameters placed on the mesh (``device_put``; an array already placed
     so moves nothing)."""
     self.check_config(config)
+    return self.place(params)
+
+  def place(self, tree):
+    """Every leaf of ``tree`` placed by its path's ``param_spec``: the decoder's parameters, or a
+    tree holding them (a train state: the optimizer's moments follow their parameters)."""
     return jax.tree_util.tree_map_with_path(
-        lambda p, x: jax.device_put(x, NamedSharding(self.mesh, self.param_spec(p, x))), params)
+        lambda p, x: jax.device_put(x, NamedSharding(self.mesh, self.param_spec(p, x))), tree)
 
   def check_params(self, config: ModelConfig, params) -> None:
     """ValueError naming the leaf, the dimension and the axis unless every parameter is placed on

@@ -53,7 +53,6 @@ from specroll_jax._fields import check_float, check_int, check_type, float_arg, 
 from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import SpecEngine, VanillaEngine, check_seed
 from specroll_jax.kernels import Kernels
-from specroll_jax.mesh import ModelMesh
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import (
@@ -244,11 +243,6 @@ class SpecRoll:
     check_float(self, "calibration_decay", 0, 1)
 
   @property
-  def mesh_axes(self) -> ModelMesh | None:
-    """The rollout's ``ModelMesh`` (None: one device)."""
-    return self.mesh
-
-  @property
   def kernels_resolved(self) -> Kernels:
     """The kernels every program of this object runs (on its mesh)."""
     return Kernels.resolve(self.kernels, mesh=self.mesh)
@@ -268,6 +262,10 @@ class SpecRoll:
   def _device(self, rows: PreparedBatch, seed: int):
     dev = rows.device(seed)
     return dev if self.mesh is None else self.mesh.place_batch(dev)
+
+  def _on_mesh(self, tree):
+    """``tree`` (a proposer's parameters) replicated on the mesh; as is on one device."""
+    return tree if self.mesh is None else place(tree, self.mesh)
 
   # -- the proposers this object runs
 
@@ -516,7 +514,7 @@ class SpecRoll:
     if plan.mode == "speculative":
       pp = self.proposer_params(state, batch, plan)
       plan.proposer.validate_batch(self.config, pp, rows.tokens, rows.lengths, rows.sample_ids)
-      args = (params, place(pp, self.mesh) if self.mesh else pp, self._device(rows, seed))
+      args = (params, self._on_mesh(pp), self._device(rows, seed))
       if self._choices(plan):  # goodput's counts, given at run time
         args += (np.asarray(plan.spec.nodes, np.int32),)
       return [(self.engine(plan, rows, speculative=True), args)]
@@ -525,10 +523,8 @@ class SpecRoll:
       head = head_rows(rows, plan.probe_rows)
       pp = self.proposer_params(state, batch, plan, slice(0, plan.probe_rows))
       plan.proposer.validate_batch(self.config, pp, head.tokens, head.lengths, head.sample_ids)
-      if self.mesh is not None:
-        pp = place(pp, self.mesh)
       calls.append((self.engine(plan, head, speculative=True),
-                     (params, pp, self._device(head, seed))))
+                     (params, self._on_mesh(pp), self._device(head, seed))))
     return calls
 
   def warmup(self, params, batch: GroupBatch, state: SpecRollState) -> float:

@@ -101,7 +101,7 @@ def fold(sr, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: R
         2 * gap, max(sr.probe_max_every, sr.probe_every))
     next_probe = int(state.batches) + max(gap, 1)
   new = state.replace(adaptation=None if adapt is None else place(adapt.replace(
-      batches=adapt.batches + 1), sr.mesh_axes), calibration=cal, expected=expected, store=store,
+      batches=adapt.batches + 1), sr.mesh), calibration=cal, expected=expected, store=store,
                       batches=state.batches + 1, next_probe=jnp.int32(next_probe),
                       probe_gap=jnp.int32(gap))
   if jax.process_count() > 1:

@@ -314,6 +314,26 @@ class TestFusedSampler:
       np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
       np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), atol=1e-5, rtol=1e-5)
 
+  @pytest.mark.parametrize("backend", ["triton", "tpu"])
+  @pytest.mark.parametrize("layout", ["dv", "vd"])
+  def test_vocabulary_slice_at_an_offset(self, backend, layout):
+    # a vocabulary shard: its columns are ids offset .. offset + V - 1, its noise theirs
+    rng = _rng("offset", backend, layout)
+    hidden, unembed, sids, pos = _sampler_inputs(rng, 12, 32, 300, jnp.float32, layout)
+    offset = 1200
+    parts = fs.fused_sample_partials(hidden, unembed, 5, sids, pos, temperature=1.0,
+                                     vocab_offset=jnp.int32(offset), backend=backend,
+                                     interpret=True, unembed_layout=layout)
+    tok, lp = fs.finish(*parts)
+    ref_tok, ref_lp = fs.fused_sample_reference(hidden, unembed, 5, sids, pos, temperature=1.0,
+                                                unembed_layout=layout, vocab_offset=offset)
+    np.testing.assert_array_equal(np.asarray(tok), np.asarray(ref_tok))
+    assert (np.asarray(tok) >= offset).all() and (np.asarray(tok) < offset + 300).all()
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), atol=1e-5, rtol=1e-5)
+    unshifted = fs.fused_sample(hidden, unembed, 5, sids, pos, temperature=1.0, backend=backend,
+                                interpret=True, unembed_layout=layout)[0]
+    assert (np.asarray(unshifted) + offset != np.asarray(tok)).any()  # the noise moved with it
+
   def test_reference_layouts_agree(self):
     hidden, unembed, sids, pos = _sampler_inputs(np.random.default_rng(2), 64, 32, 500,
                                                  jnp.float32)

@@ -237,6 +237,33 @@ def test_data_x_model_two_processes_equals_one_process(tmp_path):
 
 
 
+def _main_job_runs(tmp_path, flags, kind, timeout, multi_flags=()):
+  """``experiments/gsm8k.py`` with ``flags`` as two processes of two CPU devices (plus
+  ``multi_flags``; outputs under ``multi``) and as one process of four (``single``), side by
+  side; each run's metrics records of rollout ``kind`` (the test fails with a process's log if it
+  exits non-zero)."""
+  port = _free_port()
+  job = [sys.executable, str(ROOT / "experiments" / "gsm8k.py"), *flags]
+  cmds = [job + ["--out", str(tmp_path / "multi"), *multi_flags, "--coordinator",
+                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
+          for i in range(2)]
+  cmds.append(job + ["--out", str(tmp_path / "single")])
+  envs = [dict(e, HOME=str(tmp_path / "home")) for e in (_env(2), _env(2), _env(4))]
+  procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+           for c, e in zip(cmds, envs, strict=True)]
+  try:
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+  for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
+    assert p.returncode == 0, f"process {i}:\n{log[-3000:]}"
+  read = lambda d: [json.loads(x) for x in (tmp_path / d / kind / "metrics.jsonl")
+                    .read_text().splitlines()]
+  return read("multi"), read("single")
+
+
 @pytest.mark.slow  # three subprocesses of the main job on a widened model, a few minutes
 def test_main_job_data_x_model_on_two_processes(tmp_path):
   """``experiments/gsm8k.py --model-axis 2`` in two processes of two devices (data 2 x model 2:
@@ -263,31 +290,12 @@ def test_main_job_data_x_model_on_two_processes(tmp_path):
   for f in ("tokenizer.json", "tokenizer_config.json"):
     shutil.copy(asset / f, model / f)
   cond_heads.save(tmp_path / "heads.safetensors", wh)
-  port = _free_port()
   flags = ["--model", str(model), "--heads", str(tmp_path / "heads.safetensors"),
            "--task", "synthetic", "--rollout", "specroll", "--budget", "fixed", "--steps", "2",
-           "--prompts", "4",
-           "--group", "4", "--max-new-tokens", "16", "--eval-prompts", "8", "--lr", "1e-3",
-           "--warmup", "0", "--no-compare", "--buckets", "1.0"]
-  job = [sys.executable, str(ROOT / "experiments" / "gsm8k.py"), *flags]
-  cmds = [job + ["--out", str(tmp_path / "multi"), "--model-axis", "2", "--coordinator",
-                 f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)]
-          for i in range(2)]
-  cmds.append(job + ["--out", str(tmp_path / "single")])
-  envs = [dict(e, HOME=str(tmp_path / "home")) for e in (_env(2), _env(2), _env(4))]
-  procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for c, e in zip(cmds, envs, strict=True)]
-  try:
-    logs = [p.communicate(timeout=900)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
-    assert p.returncode == 0, f"process {i}:\n{log[-3000:]}"
-  read = lambda d: [json.loads(x) for x in (tmp_path / d / "specroll" / "metrics.jsonl")
-                    .read_text().splitlines()]
-  multi, single = read("multi"), read("single")
+           "--prompts", "4", "--group", "4", "--max-new-tokens", "16", "--eval-prompts", "8",
+           "--lr", "1e-3", "--warmup", "0", "--no-compare", "--buckets", "1.0"]
+  multi, single = _main_job_runs(tmp_path, flags, "specroll", 900,
+                                 multi_flags=["--model-axis", "2"])
   assert len(multi) == len(single) == 2
   for a, b in zip(multi, single, strict=True):
     for k in ("reward_mean", "accuracy", "response_tokens", "groups_mixed"):
@@ -349,30 +357,12 @@ def test_main_job_on_two_processes_equals_one_process(tmp_path, kind):
   accuracy, and updates equal within float rounding. With ``--rollout specroll`` the SpecRoll
   state is the same in both processes after every batch (checked by the object itself: its
   statistics and records are all-reduced; a split would raise) and tau is the whole batch's."""
-  port = _free_port()
   flags = ["--rollout", kind, "--steps", "2", "--prompts", "4", "--group", "4",
            "--max-new-tokens", "32", "--eval-prompts", "16", "--lr", "1e-3", "--warmup", "0",
            "--no-compare", "--buckets", "1.0"]  # one row bucket: one decode loop per program
   if kind == "specroll":  # every row verifies trees (goodput would verify none on this CPU)
     flags += ["--budget", "fixed", "--max-new-tokens", "16"]
-  job = [sys.executable, str(ROOT / "experiments" / "gsm8k.py"), *flags]
-  cmds = [job + ["--out", str(tmp_path / "multi"), "--coordinator", f"127.0.0.1:{port}",
-                 "--num-processes", "2", "--process-id", str(i)] for i in range(2)]
-  cmds.append(job + ["--out", str(tmp_path / "single")])
-  envs = [dict(e, HOME=str(tmp_path / "home")) for e in (_env(2), _env(2), _env(4))]
-  procs = [subprocess.Popen(c, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-           for c, e in zip(cmds, envs, strict=True)]
-  try:
-    logs = [p.communicate(timeout=600)[0] for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-  for i, (p, log) in enumerate(zip(procs, logs, strict=True)):
-    assert p.returncode == 0, f"process {i}:\n{log[-3000:]}"
-  read = lambda d: [json.loads(x) for x in (tmp_path / d / kind / "metrics.jsonl")
-                    .read_text().splitlines()]
-  multi, single = read("multi"), read("single")
+  multi, single = _main_job_runs(tmp_path, flags, kind, 600)
   assert len(multi) == len(single) == 2
   for a, b in zip(multi, single, strict=True):
     for k in ("reward_mean", "accuracy", "response_tokens", "groups_mixed"):

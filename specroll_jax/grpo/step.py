@@ -245,9 +245,7 @@ def place_state(mesh: Mesh, tree):
   (by each leaf's path: the optimizer's moments follow their parameters)."""
   if _model_axis(mesh) is None:
     return jax.device_put(tree, NamedSharding(mesh, P()))
-  mm = _mesh.ModelMesh(mesh)
-  return jax.tree_util.tree_map_with_path(
-      lambda p, x: jax.device_put(x, NamedSharding(mesh, mm.param_spec(p, x))), tree)
+  return _mesh.ModelMesh(mesh).place(tree)
 
 
 def check_batch(batch: Batch, config: ModelConfig, cfg: GRPOConfig, mesh: Mesh) -> None:

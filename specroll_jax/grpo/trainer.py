@@ -230,11 +230,14 @@ class GRPOTrainer:
     mm = self.rollout_mesh
 
     def one(x):
-      if not isinstance(x, jax.Array) or (x.is_fully_addressable and (
-          mm is None or set(x.sharding.device_set) == set(mm.mesh.devices.flat))):
+      if not isinstance(x, jax.Array):
         return x
-      if mm is None or x.sharding.is_fully_replicated:
-        return x.addressable_data(0) if mm is None else mm.replicate(x.addressable_data(0))
+      if mm is None:
+        return x if x.is_fully_addressable else x.addressable_data(0)
+      if set(x.sharding.device_set) == set(mm.mesh.devices.flat):
+        return x  # already on the rollout mesh (one process)
+      if x.sharding.is_fully_replicated:
+        return mm.replicate(x.addressable_data(0))
       shards = {s.device: s.data for s in x.addressable_shards}
       sharding = NamedSharding(mm.mesh, x.sharding.spec)
       return jax.make_array_from_single_device_arrays(
