@@ -1,4 +1,5 @@
-"""Shared by the experiment scripts: make the repo importable when run as a plain script, the
+"""Shared by the experiment scripts: make the repo importable when run as a plain script (the app
+package ``app`` beside this file is importable then too: ``experiments/`` is ``sys.path[0]``), the
 flags every script shares (``--model``, ``--prompts``, ``--group``, ``--max-new-tokens``,
 ``--seed``, ``--out``) with their checks, model loading, the timing loop, and the machine a
 measurement was taken on."""
@@ -38,7 +39,7 @@ def add_shared_flags(ap, *, out: str, prompts: int | None = 8, group: int = 8,
 def check_shared_flags(a, **more_lower_bounds) -> None:
   """One line and exit 2 unless the shared flags (and ``more_lower_bounds``, as in
   ``cli.require``) are in range."""
-  from specroll_jax import cli
+  from app import cli
   shared = {k: lo for k, lo in (("prompts", 1), ("group", 1), ("max_new_tokens", 1), ("seed", 0))
             if hasattr(a, k)}
   cli.require(a, **shared, **more_lower_bounds)
@@ -46,15 +47,15 @@ def check_shared_flags(a, **more_lower_bounds) -> None:
 
 def quick_shape():
   """The small widening of the embedded model that the CPU smoke runs use (``--quick``)."""
-  from specroll_jax import models
-  return models.WideShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=1, head_dim=64,
-                          intermediate_size=768)
+  from app.widen import WideShape
+  return WideShape(hidden_size=256, num_layers=6, num_heads=4, num_kv_heads=1, head_dim=64,
+                   intermediate_size=768)
 
 
 def load_model(a):
   """(config, params, tokenizer, path) of ``--model`` (the embedded model when unset); a folder
   that is not a model ends in one line and exit 2."""
-  from specroll_jax import cli, pipeline
+  from app import cli, pipeline
   try:
     return pipeline.load_model(a.model, progress=sys.stdout.isatty())
   except ValueError as e:

@@ -1,7 +1,7 @@
 """The GRPO policy sequence that experiments/bench_adaptation.py replays, its drift measures and
 the refit ceiling; every function reads the script's parsed flags ``a``.
 
-Phase 1 (``ensure_policies``): a GRPO run (``grpo.loop.Run``, vanilla rollouts at T = 1, synthetic
+Phase 1 (``ensure_policies``): a GRPO run (``app.loop.Run``, vanilla rollouts at T = 1, synthetic
 task) saves its policy with orbax at step 0, every --save-every steps and the last, each meta
 naming the model, the GRPO settings and the step's metrics; ``Policies`` restores them. Drift along
 a batch: entropy and KL to step 0 (``policy_scores``), relative parameter change
@@ -22,10 +22,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax import cli, pipeline, rollout
+from app import cli, pipeline
+from app.checkpoint import Checkpointer
+from app.tasks import Task
 from specroll_jax import cond_heads as CH
-from specroll_jax.checkpoint import Checkpointer
-from specroll_jax.data.tasks import Task
+from specroll_jax import rollout
 from specroll_jax.grpo.logprobs import trainer_hidden
 from specroll_jax.models import decoder as _dec
 from specroll_jax.progress import progress_range
@@ -113,8 +114,8 @@ def ensure_policies(a, config, params, tok, ident) -> Policies:
 
 
 def run_grpo(a, config, params, tok, ident, ck, have, want, metas) -> None:
+  from app.loop import Run, RunConfig
   from specroll_jax.grpo import GRPOConfig
-  from specroll_jax.grpo.loop import Run, RunConfig
   cfg = RunConfig(grpo=GRPOConfig(group_size=a.grpo_group, learning_rate=a.grpo_lr,
                                   warmup_steps=a.grpo_warmup,
                                   sampling=rollout.SamplingConfig(temperature=GRPO_TEMPERATURE)),
@@ -144,7 +145,7 @@ def run_grpo(a, config, params, tok, ident, ck, have, want, metas) -> None:
     if s in want and s not in metas:  # step 0, or the step an interruption left unsaved
       save(s, state, None)
   for _ in progress_range(cfg.steps - n, "GRPO steps"):
-    rec = r.step()  # a grpo.trainer.StepMetrics
+    rec = r.step()  # an app.trainer.StepMetrics
     if rec.step + 1 in want:
       save(rec.step + 1, r.local_params(), rec)
   r.close()

@@ -1,12 +1,15 @@
 """The report of experiments/bench_adaptation.py: the per-arm summary (recovery of the gap
-tau_ceiling - tau_static, in-loop and host cost), the goals for (d) and (d'), the tables and the
-PNG."""
+tau_ceiling - tau_static, in-loop and host cost), the goals for (d), the tables and the PNG."""
 
 from __future__ import annotations
 
 import warnings
 
 import numpy as np
+
+# the arms' letters in docs/benchmarks.md, "SpecRoll on real GRPO drift"
+LABELS = {"static": "(a)", "reflex": "(b)", "slow": "(c)", "both": "(d)", "every_batch": "(e)",
+          "scheduled": "(e')", "ceiling": "(f)"}
 
 
 def nan_to_none(xs):
@@ -36,12 +39,15 @@ def summarize(results, van_s, a) -> dict:
   static, (gap, qual), out = results.get("static"), gaps(results, a), {}
   for arm, rec in results.items():
     tau, roll = _taus(rec), sum(r["seconds"] for r in rec)
-    host = sum(r["adaptation_seconds"] for r in rec)
+    host = sum(r["host_seconds"] for r in rec)
     acc = np.array([[np.nan if x is None else x for x in r["acceptance"]] for r in rec], float)
-    # in-loop cost: ms per forward over static's on the same batches where Reflex ran; a batch
-    # where it slept ran static's own program: its difference is the noise, reported apart
-    slept = [r for r in rec if (r.get("reflex") or {}).get("asleep")]
-    awake = [r for r in rec if not (r.get("reflex") or {}).get("asleep")]
+    # in-loop cost: ms per forward over static's on the same batches, charged where the arm's
+    # program differs from static's (Reflex awake, or the anchor hidden states the slow path
+    # draws its records from); a batch where Reflex slept and drew no records ran static's own
+    # program: its difference is the noise, reported apart
+    asleep = lambda r: bool((r.get("reflex") or {}).get("asleep"))
+    slept = [r for r in rec if asleep(r) and not r.get("slow")]
+    awake = [r for r in rec if not (asleep(r) and not r.get("slow"))]
     vs = lambda rs: ms(rs) / _on(static, rs, ms) - 1 if rs and static else None
     in_loop = max(ms(awake) - _on(static, awake, ms), 0.0) * sum(
         r["forwards"] for r in awake) / 1e3 if awake and static else 0.0
@@ -53,17 +59,15 @@ def summarize(results, van_s, a) -> dict:
         "mean_tau": float(tau.mean()), "tau_first5": float(tau[:5].mean()),
         "tau_last10": float(tau[-10:].mean()), "acceptance": mean_acc,
         "all_same": all(r["same"] for r in rec), "ms_per_forward": ms(rec),
-        "rollout_seconds": roll, "adaptation_seconds": host,
+        "rollout_seconds": roll, "host_seconds": host,
         "compile_seconds": sum(r["compile_seconds"] for r in rec),
         "in_loop_cost": (vs(awake) or 0.0) if static else None,
         "in_loop_share": in_loop / max(roll, 1e-9), "in_loop_asleep_cost": vs(slept),
         "host_share": host / max(roll, 1e-9), "kept": sum(len(x.get("kept") or []) for x in slow),
         "rolled_back": sum(len(x.get("rolled_back") or []) for x in slow),
+        "records": sum(sum(x.get("records") or []) for x in slow),
         "speedup_vs_vanilla": sum(van_s) / max(roll + host, 1e-9),
-        # arm trainer: the teacher-forced forward GRPO's loss runs anyway (not charged)
-        "trainer_forward_seconds": sum(r.get("trainer_forward_seconds") or 0.0 for r in rec),
-        "records_seconds": sum(r.get("records_seconds") or 0.0 for r in rec),
-        "asleep_batches": len(slept), "recovery_batches": 0, "recovery": None,
+        "asleep_batches": sum(map(asleep, rec)), "recovery_batches": 0, "recovery": None,
         "recovery_per_batch": None}
     s["adaptation_share"] = s["in_loop_share"] + s["host_share"]
     if gap is not None and arm not in ("static", "ceiling"):
@@ -75,41 +79,40 @@ def summarize(results, van_s, a) -> dict:
 
 
 def goals_of(summary, results, pol, a) -> list[dict]:
-  """(goal, PASS / MISS / SKIP, detail) for (d) and, when it ran, (d')."""
-  g, (gap, qual) = [], gaps(results, a)
-  for arm, lab in [("both", "(d)")] + [("trainer", "(d')")] * ("trainer" in summary):
-    x = summary.get(arm)
-    goal = lambda name, ok, detail, lab=lab: g.append({
-        "goal": f"{lab} {name}", "detail": detail,
-        "status": ok if isinstance(ok, str) else "PASS" if ok else "MISS"})
-    if x is None or gap is None:
-      goal("recovers >= 50% of the gap", "SKIP", f"needs arms static, ceiling and {arm}")
-    elif not qual.any():
-      goal("recovers >= 50% of the gap", "SKIP", f"the gap never exceeds {a.min_gap} tau: the "
-           f"drift did not stale the heads (max gap {gap.max():+.3f} at batch {gap.argmax()}; "
-           f"KL to step 0 at the last policy {pol[-1]['kl_to_step0']:.4f} nats/token)")
-    else:
-      goal("recovers >= 50% of the gap", x["recovery"] >= 0.5, f"mean share "
-           f"{100 * x['recovery']:.1f}% over the {x['recovery_batches']} batches where the gap "
-           f"exceeds {a.min_gap}")
-    best = max((o for o in ("reflex", "slow") if o in summary), default=None,
-               key=lambda o: summary[o]["mean_tau"])
-    if x is None or best is None:
-      goal(">= max((b), (c))", "SKIP", f"needs arm {arm} and reflex or slow")
-    else:
-      goal(">= max((b), (c))", x["mean_tau"] >= summary[best]["mean_tau"],
-           f"mean tau {arm} {x['mean_tau']:.4f} vs {best} {summary[best]['mean_tau']:.4f}")
-    if x is None or "static" not in summary:
-      goal("adaptation <= 5% of rollout time", "SKIP", f"needs arms static and {arm}")
-      continue
-    extra = "" if arm != "trainer" else (
-        f" (the trainer's forward, {x['trainer_forward_seconds']:.2f} s, is GRPO's own: not "
-        f"charged; Reflex slept in {x['asleep_batches']} of {len(results[arm])} batches"
-        + ("" if x["in_loop_asleep_cost"] is None else ", which ran "
-           f"{100 * x['in_loop_asleep_cost']:+.1f}% per forward vs static: the noise") + ")")
-    goal("adaptation <= 5% of rollout time", x["adaptation_share"] <= 0.05,
-         f"{lab}: in-loop {100 * x['in_loop_share']:.1f}% + host {100 * x['host_share']:.1f}% = "
-         f"{100 * x['adaptation_share']:.1f}%{extra}")
+  """(goal, PASS / MISS / SKIP, detail) for (d), the arm ``SpecRoll`` runs by default."""
+  g, (gap, qual), arm = [], gaps(results, a), "both"
+  lab, x = LABELS[arm], summary.get(arm)
+
+  def goal(name, ok, detail):
+    g.append({"goal": f"{lab} {name}", "detail": detail,
+              "status": ok if isinstance(ok, str) else "PASS" if ok else "MISS"})
+
+  if x is None or gap is None:
+    goal("recovers >= 50% of the gap", "SKIP", f"needs arms static, ceiling and {arm}")
+  elif not qual.any():
+    goal("recovers >= 50% of the gap", "SKIP", f"the gap never exceeds {a.min_gap} tau: the "
+         f"drift did not stale the heads (max gap {gap.max():+.3f} at batch {gap.argmax()}; "
+         f"KL to step 0 at the last policy {pol[-1]['kl_to_step0']:.4f} nats/token)")
+  else:
+    goal("recovers >= 50% of the gap", x["recovery"] >= 0.5, f"mean share "
+         f"{100 * x['recovery']:.1f}% over the {x['recovery_batches']} batches where the gap "
+         f"exceeds {a.min_gap}")
+  best = max((o for o in ("reflex", "slow") if o in summary), default=None,
+             key=lambda o: summary[o]["mean_tau"])
+  if x is None or best is None:
+    goal(">= max((b), (c))", "SKIP", f"needs arm {arm} and reflex or slow")
+  else:
+    goal(">= max((b), (c))", x["mean_tau"] >= summary[best]["mean_tau"],
+         f"mean tau {arm} {x['mean_tau']:.4f} vs {best} {summary[best]['mean_tau']:.4f}")
+  if x is None or "static" not in summary:
+    goal("adaptation <= 5% of rollout time", "SKIP", f"needs arms static and {arm}")
+    return g
+  extra = f" (Reflex slept in {x['asleep_batches']} of {len(results[arm])} batches" + (
+      "" if x["in_loop_asleep_cost"] is None else ", which ran "
+      f"{100 * x['in_loop_asleep_cost']:+.1f}% per forward vs static: the noise") + ")"
+  goal("adaptation <= 5% of rollout time", x["adaptation_share"] <= 0.05,
+       f"{lab}: in-loop {100 * x['in_loop_share']:.1f}% + host {100 * x['host_share']:.1f}% = "
+       f"{100 * x['adaptation_share']:.1f}%{extra}")
   return g
 
 
@@ -135,7 +138,8 @@ def report(results, pol, van_s, a) -> tuple[dict, list]:
   for arm, x in summary.items():
     rec = "-" if x["recovery_per_batch"] is None else "n/a (0 batches)" if x["recovery"] is None \
         else f"{pct(x['recovery'])} ({x['recovery_batches']})"
-    s.add_row(arm, f"{x['mean_tau']:.3f}", f"{x['tau_first5']:.3f}", f"{x['tau_last10']:.3f}",
+    s.add_row(f"{LABELS.get(arm, '')} {arm}".strip(), f"{x['mean_tau']:.3f}",
+              f"{x['tau_first5']:.3f}", f"{x['tau_last10']:.3f}",
               " ".join("-" if v is None else f"{v:.3f}" for v in x["acceptance"][:3]),
               str(x["all_same"]), f"{x['ms_per_forward']:.2f}", pct(x["in_loop_cost"], "+"),
               pct(x["in_loop_share"]), pct(x["host_share"]), rec,

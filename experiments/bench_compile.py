@@ -10,7 +10,7 @@ group lookup) and ``MergedReflex``, each with 1 and 4 buckets (4 nodes per row i
 bucket); ``--programs trainer`` adds the gradient of the responses' logprobs (a GRPO step's model
 part), ``--programs cost`` goodput's cost model as the default ``SpecRoll`` measures it
 (``SpecRoll.measure_cost``, an empty cost cache: every program it compiles, with jax's own compile
-events summed; the default layer loop). Each under each layer loop (``decoder.LayerLoop``):
+events summed; the default layer loop). Each under each layer loop (``layer_loop.LayerLoop``):
 "unroll" (every forward unrolled), "mixed" (forwards without a cache scanned, steps over the cache
 unrolled) and "scan" (every forward scanned, stacked KV cache); the table's title names the
 library's default. Each program is traced afresh (``jax.clear_caches()``, a new ``jax.jit``) and
@@ -18,7 +18,7 @@ timed once, after one untimed warm-up compile: lower seconds (trace + StableHLO)
 seconds (XLA), wall clock and this process's CPU seconds (steadier when other jobs share the
 cores). ``--run R`` also times warm calls, R rounds over the loops in turn (median per loop).
 
-``--layers N`` widens the model to N layers of the same width (``models.widen``: the added layers
+``--layers N`` widens the model to N layers of the same width (``app.widen``: the added layers
 are identities, so tokens and acceptance stay the embedded model's); ``--shape`` widens it into a
 Qwen2.5 shape with abstract parameters (nothing allocated; no ``--run``). Writes JSON to --out.
 """
@@ -36,11 +36,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax import cli, engines, models, pipeline, rollout
+from app import cli, pipeline
+from app.widen import QWEN25_SHAPES, WideShape, widen, widened_config
+from specroll_jax import engines, rollout
 from specroll_jax._machine import cpu_model
 from specroll_jax.grpo.logprobs import trainer_logprobs
-from specroll_jax.models import decoder
-from specroll_jax.models.widen import widened_config
+from specroll_jax.models import layer_loop
 from specroll_jax.proposers import GroupLookup, Merged, MergedReflex, RankedHeads
 from specroll_jax.reflex import init_global
 from specroll_jax.specroll import DEFAULT_REFLEX
@@ -52,10 +53,10 @@ COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "lower_s",
                   "/jax/core/compile/backend_compile_duration": "compile_s"}
 
 
-def _policy(name: str) -> decoder.LayerLoop:
+def _policy(name: str) -> layer_loop.LayerLoop:
   if name == "mixed":
-    return decoder.LayerLoop(full="scan", cached="unroll")
-  return decoder.LayerLoop.resolve(name)
+    return layer_loop.LayerLoop(full="scan", cached="unroll")
+  return layer_loop.LayerLoop.resolve(name)
 
 
 def build_model(a):
@@ -64,23 +65,23 @@ def build_model(a):
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True,
                                  progress=sys.stdout.isatty())
   if a.shape is not None:
-    shape = models.QWEN25_SHAPES[a.shape]
+    shape = QWEN25_SHAPES[a.shape]
   elif a.layers is not None:
-    shape = models.WideShape(hidden_size=config.hidden_size, num_layers=a.layers,
-                             num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                             head_dim=config.head_dim, intermediate_size=config.intermediate_size,
-                             tie_word_embeddings=config.tie_word_embeddings)
+    shape = WideShape(hidden_size=config.hidden_size, num_layers=a.layers,
+                      num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                      head_dim=config.head_dim, intermediate_size=config.intermediate_size,
+                      tie_word_embeddings=config.tie_word_embeddings)
   else:
     return config, params, heads, tok
   key = jax.random.key(a.seed)
   if a.shape is not None:  # abstract: shapes and dtypes only
     # the small model's weights are concrete (widen prepares them on the host); only the big
     # arrays are abstract
-    widen = lambda: models.widen(config, params, shape, key=key, heads=heads, dtype=a.dtype)[1:]
-    params, heads = jax.eval_shape(widen)
+    wide = lambda: widen(config, params, shape, key=key, heads=heads, dtype=a.dtype)[1:]
+    params, heads = jax.eval_shape(wide)
     return widened_config(config, shape, dtype=a.dtype), params, heads, tok
-  big_config, params, heads = models.widen(config, params, shape, key=key, heads=heads,
-                                           dtype=a.dtype)
+  big_config, params, heads = widen(config, params, shape, key=key, heads=heads,
+                                    dtype=a.dtype)
   return big_config, params, heads, tok
 
 
@@ -151,7 +152,7 @@ def compile_once(engine, args, loop: str, lower_only: bool):
   """(lower and compile seconds, wall and CPU, of ``engine`` traced afresh under ``loop``; the
   compiled program or None)."""
   jax.clear_caches()
-  with decoder.layer_loop(_policy(loop)):
+  with layer_loop.layer_loop(_policy(loop)):
     fn = jax.jit(lambda *xs: engine(*xs))
     t0, c0 = time.perf_counter(), time.process_time()
     lowered = fn.lower(*args)
@@ -192,7 +193,7 @@ def main(argv=None):
                            max_new_tokens=128)
   ap.add_argument("--layers", type=int, default=None,
                   help="widen to this many layers of the same width (identity layers added)")
-  ap.add_argument("--shape", choices=sorted(models.QWEN25_SHAPES), default=None,
+  ap.add_argument("--shape", choices=sorted(QWEN25_SHAPES), default=None,
                   help="widen into this Qwen2.5 shape (abstract parameters)")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                   help="widened model dtype (default: the source's)")
@@ -241,7 +242,7 @@ def main(argv=None):
       for r in rows.values():
         print(json.dumps(r), flush=True)
         results.append(r)
-  default = decoder.layer_loop_policy()
+  default = layer_loop.layer_loop_policy()
   meta = {"command": "experiments/bench_compile.py " + " ".join(argv or sys.argv[1:]),
           "cpu": cpu_model(), "machine": platform.machine(), "jax": jax.__version__,
           "backend": jax.default_backend(), "num_layers": config.num_layers,

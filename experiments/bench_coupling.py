@@ -35,11 +35,12 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import cli, executables, pipeline, rollout
+from app import cli, pipeline, tasks
+from app import draft_quality as DQ
 from specroll_jax import cond_heads as CH
-from specroll_jax import draft_quality as DQ
+from specroll_jax import executables, rollout
 from specroll_jax.config import SpecConfig
-from specroll_jax.data import gsm8k, tasks
+from specroll_jax.data import gsm8k
 from specroll_jax.proposers import RankedHeads
 from specroll_jax.sampling import SamplingConfig, group_sample_ids
 from specroll_jax.specroll import SpecRoll
@@ -161,12 +162,12 @@ def part_object(a, config, params, tok, shipped):
                                  sample_ids=batch.sample_ids, seed=a.seed, eos_ids=sr.eos_ids,
                                  options=rollout.DecodeOptions(
                                      cache_length=batch.rows.cache_length))
-        out, _ = sr.generate(params, batch, sr.init(heads), seed=a.seed)
+        out, rep, _ = sr.generate(params, batch, sr.init(heads), seed=a.seed)
         same = bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all())
         executables.clear()  # each object compiles its own programs: free their code mappings
         jax.clear_caches()
         row = {"task": task, "T": t, "heads": heads_name, "nodes": nodes, "coupled": coupled,
-               "tau": out.report.tau, "depth_acceptance": list(out.report.depth_acceptance),
+               "tau": rep.tau, "depth_acceptance": list(rep.depth_acceptance),
                "identical": same}
         rows.append(row)
         print(f"  {task} T={t} {heads_name} {nodes} nodes "

@@ -52,7 +52,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from specroll_jax import cli  # noqa: E402
+from app import cli  # noqa: E402
 from specroll_jax.models import forward, load_pretrained  # noqa: E402
 from specroll_jax.rollout import SamplingConfig, generate  # noqa: E402
 

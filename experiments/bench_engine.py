@@ -14,7 +14,12 @@ median time is reported. Cases:
 * one bucket with every row at N nodes (N = 0, 1, 2, 4, 8), T = 1: ms per forward relative to
   vanilla's, before and after;
 * compile time of the 4-bucket budget-64 rollout (first call minus the warm median);
-* new version only: prompt lookup and heads + lookup vs vanilla at T = 0, 0.7, 1.
+* new version only: prompt lookup and ``Merged`` (the heads and the row's own-text lookup in one
+  ranked tree) vs vanilla at T = 0, 0.7, 1.
+
+The shared cases pass ``speculation=Speculation.of_heads(...)``; a REF from before ``Speculation``
+(52ae761) took ``spec=`` and ``heads=`` instead, which the worker passes when the library it runs
+has no ``rollout.Speculation``.
 
 Compile time never enters the speed figures. Writes JSON and a PNG next to --out.
 """
@@ -54,7 +59,7 @@ def cases(quick: bool) -> list[dict]:
   for t in ((1.0,) if quick else (0.0, 0.7, 1.0)):
     if t == 0.7:
       out.append(dict(name=f"vanilla T={t}", kind="vanilla", temperature=t, shared=False))
-    for kind in ("lookup", "heads+lookup"):
+    for kind in ("lookup", "merged"):
       out.append(dict(name=f"{kind} b=64 T={t}", kind=kind, temperature=t, budget=64,
                       max_nodes=16, buckets=(1.0, 0.5, 0.25, 0.125), shared=False))
   return out
@@ -87,14 +92,15 @@ def worker(job: dict) -> dict:
       else:
         spec = rollout.SpecConfig(node_budget=case["budget"], max_nodes=case["max_nodes"],
                                   bucket_fractions=tuple(case["buckets"]))
-      if case["kind"] == "heads":
+      if case["kind"] == "heads" and not hasattr(rollout, "Speculation"):  # a REF before it
         kw.update(spec=spec, heads=hd)
-      else:
-        from specroll_jax.proposers import HeadsAndLookup, PromptLookup
-        if case["kind"] == "lookup":
-          kw.update(spec=spec, proposer=PromptLookup(), proposer_params=())
-        else:
-          kw.update(spec=spec, proposer=HeadsAndLookup(), proposer_params=(hd, ()))
+      elif case["kind"] == "heads":
+        kw.update(speculation=rollout.Speculation.of_heads(hd, spec))
+      else:  # new version only
+        from specroll_jax.proposers import Merged, PromptLookup
+        prop = PromptLookup() if case["kind"] == "lookup" else Merged()
+        pp = () if case["kind"] == "lookup" else prop.params(hd)
+        kw.update(speculation=rollout.Speculation(prop, pp, spec))
     run = lambda kw=kw: rollout.generate(config, params, batch, **kw)
     t0 = time.perf_counter()
     out = run()
@@ -137,7 +143,7 @@ def _run_worker(tree: Path, job: dict, tmp: Path, tag: str) -> dict:
 
 
 def main(argv=None):
-  from specroll_jax import cli, pipeline
+  from app import cli, pipeline
   from specroll_jax import heads as H
   ap = cli.ArgumentParser(description=__doc__)
   _common.add_shared_flags(ap, out="runs/bench_engine.json")

@@ -34,10 +34,10 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, not installed
 
+from app import cli
 from pallas_kernels import counter_hash as ch
 from pallas_kernels import fused_sampler as fs
 from pallas_kernels import tree_attention as ta
-from specroll_jax import cli
 
 # name -> (H, Hkv, Dh, D): Qwen2.5 layouts
 MODELS = {"qwen2.5-1.5b": (12, 2, 128, 1536), "qwen2.5-7b": (28, 4, 128, 3584)}

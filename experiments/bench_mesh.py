@@ -4,7 +4,7 @@
   .venv/bin/python experiments/bench_mesh.py                       # 1.5B and 7B, model 1/2/4/8
   .venv/bin/python experiments/bench_mesh.py --shapes 7b --rows 512 --cache 768
 
-For each Qwen2.5 shape (``models.widen.QWEN25_SHAPES``, the real vocabulary, bfloat16) and each
+For each Qwen2.5 shape (``app.widen.QWEN25_SHAPES``, the real vocabulary, bfloat16) and each
 model axis size the shape allows (it must divide the query heads, the KV heads, the vocabulary and
 the FFN width: ``ModelMesh.check_config``), two programs are compiled, never run, on the CPU's host
 devices with abstract inputs placed as ``ModelMesh.shard_params`` / ``constrain_cache`` place them
@@ -53,12 +53,13 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from specroll_jax import cli, models  # noqa: E402
+from app import cli  # noqa: E402
+from app.widen import QWEN25_SHAPES  # noqa: E402
+from specroll_jax import models  # noqa: E402
 from specroll_jax._machine import cpu_model  # noqa: E402
 from specroll_jax.kernels import Kernels  # noqa: E402
 from specroll_jax.mesh import ModelMesh, collectives, make_mesh  # noqa: E402
 from specroll_jax.models import decoder  # noqa: E402
-from specroll_jax.models.widen import QWEN25_SHAPES  # noqa: E402
 from specroll_jax.sampling import SamplingConfig, sample_from_hidden  # noqa: E402
 
 GB = 1e9

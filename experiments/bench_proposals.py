@@ -36,8 +36,10 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import calibration, cli, goodput, pipeline, rollout
+from app import cli, pipeline
+from specroll_jax import calibration, goodput, rollout
 from specroll_jax import cond_heads as CH
+from specroll_jax import store as S
 from specroll_jax.config import DecodeSettings
 from specroll_jax.kernels import Kernels
 from specroll_jax.proposers import HeadsProposer, PromptLookup
@@ -45,7 +47,6 @@ from specroll_jax.proposers.group_lookup import GroupLookup
 from specroll_jax.proposers.merged import Merged
 from specroll_jax.proposers.ranked import RankedProposer
 from specroll_jax.proposers.ranked_heads import RankedHeads
-from specroll_jax.store import ResponseStore
 
 # case name -> the --proposers key that selects it
 PROPOSERS = {"static Medusa heads": "medusa", "root-conditioned heads": "cond",
@@ -72,9 +73,11 @@ def _row(name, mode, out, seconds, compile_s, van, nodes=None):
 
 
 def _prior_store(config, prompts, prompt_ids, previous, max_tokens):
-  store = ResponseStore(vocab_size=config.vocab_size, per_prompt=8, max_tokens=max_tokens)
-  store.add(prompt_ids, prompts, np.asarray(previous.tokens), np.asarray(previous.lengths))
-  return store.context(prompt_ids, prompts, vocab_size=config.vocab_size)
+  store = S.store_init(vocab_size=config.vocab_size, prompts=len(set(np.asarray(
+      prompt_ids).tolist())), per_prompt=8, max_tokens=max_tokens)
+  store = S.store_add(store, prompt_ids, prompts, np.asarray(previous.tokens),
+                      np.asarray(previous.lengths))
+  return S.store_context(store, prompt_ids, prompts, vocab_size=config.vocab_size)
 
 
 def run_temperature(a, config, params, tok, path, temperature, sink=lambda t, rows: None):
@@ -99,7 +102,8 @@ def run_temperature(a, config, params, tok, path, temperature, sink=lambda t, ro
   van, t_van, c_van = _common.timed(lambda: rollout.generate(config, params, batch, **kw),
                                     a.repeats)
   old, t_old, c_old = _common.timed(lambda: rollout.generate(
-      config, params, batch, bucket_fractions=(1.0,), **kw), a.repeats)
+      config, params, batch, options=rollout.DecodeOptions(bucket_fractions=(1.0,)), **kw),
+      a.repeats)
   rows.append(_row("vanilla (no compaction)", "-", old, t_old, c_old, van))
   rows.append(_row("vanilla (compacting)", "-", van, t_van, c_van, van))
   # a previous epoch's responses of the same prompts (another seed): the store's content
@@ -137,13 +141,14 @@ def run_temperature(a, config, params, tok, path, temperature, sink=lambda t, ro
         w_prev = rollout.generate(config, params, wb, **{**wkw, "seed": a.seed + 1000})
         w_prior = _prior_store(config, wb, prompt_ids, w_prev, m)
         wpp = make(_shaped(prop, cal.table()), w_prior)
-        w_out = rollout.generate(config, params, wb, spec=fixed, proposer=prop,
-                                 proposer_params=wpp, **wkw)
+        w_out = rollout.generate(config, params, wb,
+                                 speculation=rollout.Speculation(prop, wpp, fixed), **wkw)
         cal = cal.update(w_out.stats.spec.proposer)
       table = _shaped(prop, cal.table())
     pp = make(table, prior)
     out, t, c = _common.timed(lambda prop=prop, pp=pp: rollout.generate(
-        config, params, batch, spec=fixed, proposer=prop, proposer_params=pp, **kw), a.repeats)
+        config, params, batch, speculation=rollout.Speculation(prop, pp, fixed), **kw),
+        a.repeats)
     rows.append(_row(name, f"{a.nodes} nodes/row", out, t, c, van, fixed.nodes))
     print(f"  {name} @ {a.nodes}: tau {rows[-1]['tau']:.3f}, depth-1 {rows[-1]['depth1']:.3f}, "
           f"{t_van / t:.2f}x", flush=True)
@@ -160,7 +165,8 @@ def run_temperature(a, config, params, tok, path, temperature, sink=lambda t, ro
       spec, why = goodput.choose(cost, expected, len(batch), rollout.SpecConfig(),
                                  capacity=prop.capacity, gated=gated)
       out, t, c = _common.timed(lambda prop=prop, pp=pp, spec=spec: rollout.generate(
-          config, params, batch, spec=spec, proposer=prop, proposer_params=pp, **kw), a.repeats)
+          config, params, batch, speculation=rollout.Speculation(prop, pp, spec), **kw),
+          a.repeats)
       mode = "goodput + gate" if gated else "goodput"
       rows.append(_row(name, mode, out, t, c, van, spec.nodes))
       rows[-1].update(goodput=why, skipped=int(out.stats.spec.skipped))
@@ -171,7 +177,8 @@ def run_temperature(a, config, params, tok, path, temperature, sink=lambda t, ro
   for r in rows:
     r["vs_vanilla"] = t_van / r["seconds"]
   # head 1 quality on held-out rollouts (test prompts) against the target's own top-k mass
-  held = rollout.generate(config, params, batch, return_hidden=True, **kw)
+  held = rollout.generate(config, params, batch,
+                          options=rollout.DecodeOptions(return_hidden=True), **kw)
   hq = {}
   for name, hd in (("Medusa", medusa), ("root-conditioned", cond)):
     if hd is None:

@@ -25,19 +25,20 @@ For each model, at the same B rows and N tree nodes per row:
     head, timed at 0, 1 and 3 steps so that its cost splits into the passes (0 steps), the first
     step's extra (at the 1.5B shape, likely the [records, V] buffers it allocates for the later
     steps to reuse) and a per-step part, over the full vocabulary and with the support-only
-    objective (``SlowPathConfig.refresh_vocab``); and the records built from the trainer's forward
-    of a batch
-    (``trainer_records.from_hidden``, --trainer-anchors anchors). Both are linear in the records
+    objective (``SlowPathConfig.refresh_vocab``); and the records drawn from a batch's anchor
+    hidden states (``trainer_records.from_hidden``, what ``SpecRoll`` runs on the hidden states of
+    the rows that verified trees; --trainer-anchors anchors). Both are linear in the records
     (their unembedding over V dominates), so the table also gives one refresh at the drift
     replay's setting (1536 records per head, 10 steps each over half of them:
     ``SlowPathConfig.for_small_models``, ``bench_adaptation.py``'s defaults),
     scaled from the measured ones, all in units of one verify forward of the same model.
 
-The static baseline is what ``adaptation.proposer`` runs for Medusa heads with Reflex and the slow
-path off (``HeadsProposer``, the same heads and tree plan); in (b) root-conditioned heads are not
-timed. In (d) the tiny model's slow path trains and reads its shipped root-conditioned heads (what
-the main job proposes with), and the refresh the main job runs is also timed whole
-(``SlowPathConfig.for_small_models``, one and two heads); the 1.5B shape's are random Medusa heads.
+The static baseline is the plain Medusa heads' proposer (``HeadsProposer``, what
+``rollout.Speculation.of_heads`` runs for Medusa heads: the same heads and tree plan, no Reflex and
+no slow path); in (b) root-conditioned heads are not timed. In (d) the tiny model's slow path
+trains and reads its shipped root-conditioned heads (what the main job proposes with), and the
+refresh the main job runs is also timed whole (``SlowPathConfig.for_small_models``, one and two
+heads); the 1.5B shape's are random Medusa heads.
 
 Reflex's extra = Reflex proposer ms - static proposer ms; its share = extra / verify ms (topm 0).
 The 1.5B shape (hidden 1536, 28 layers, 12 / 2 heads, intermediate 8960, vocab 151936, tied
@@ -76,7 +77,7 @@ TOPMS = (0, 16)  # the static heads' verify; with Reflex's top-16 feedback
 def tiny_model():
   """(name, config, params, heads, cond_heads) of the embedded default model and its shipped
   Medusa and root-conditioned heads (the main job proposes with the latter)."""
-  from specroll_jax import pipeline
+  from app import pipeline
   config, params, tok, path = pipeline.load_model(None, progress=False)
   heads = pipeline.default_heads(config, params, tok, path, progress=False)
   cond = pipeline.default_heads(config, params, tok, path, progress=False, conditioned=True)
@@ -547,7 +548,7 @@ def bench_model(label, config, params, heads, a, *, full_layers=None, slow_heads
 
 
 def main(argv=None):
-  from specroll_jax import cli
+  from app import cli
   ap = cli.ArgumentParser(description=__doc__)
   ap.add_argument("--models", nargs="+", default=list(MODELS), help=f"any of {MODELS}")
   ap.add_argument("--rows", type=int, default=16, help="rows B")

@@ -20,7 +20,8 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import cli, pipeline, rollout
+from app import cli, pipeline
+from specroll_jax import rollout
 
 
 def main(argv=None):
@@ -63,16 +64,18 @@ def main(argv=None):
            "speedup": 1.0, "identical": True, "tokens": int(van_lens.sum()),
            "active_trace": [int((van_lens > f).sum()) for f in range(int(van_lens.max()))]}]
   for budget in a.budgets:
-    spec = rollout.SpecConfig(node_budget=budget, max_nodes=a.max_nodes)
+    spec = rollout.Speculation.of_heads(
+        heads, rollout.SpecConfig(node_budget=budget, max_nodes=a.max_nodes))
     out, t, _ = _common.timed(lambda spec=spec: rollout.generate(
-        config, params, batch, spec=spec, heads=heads, **kw), a.repeats)
+        config, params, batch, speculation=spec, **kw), a.repeats)
     same = bool((np.asarray(out.tokens) == np.asarray(van.tokens)).all()
                 and (np.asarray(out.lengths) == van_lens).all())
     st = out.stats
     # per-bucket (rows, nodes per row, steps, seconds): extra calls in profiling mode (buckets
     # driven from the host; the second, compiled one is reported), kept out of the figures above
     for _ in range(2):
-      prof = rollout.generate(config, params, batch, spec=spec, heads=heads, profile=True, **kw)
+      prof = rollout.generate(config, params, batch, speculation=spec,
+                              options=rollout.DecodeOptions(profile=True), **kw)
     rows.append({"engine": "speculative", "budget": budget, "tau": st.tokens_per_forward,
                  "forwards": st.forwards, "seconds": t,
                  "speedup": t_van / t, "identical": same, "tokens": int(st.tokens),

@@ -6,7 +6,7 @@ heads learned from nothing.
   .venv/bin/python experiments/bench_specroll.py --parts defaults --tasks synthetic \
       --widen 0.5b --prompts 1 --group 2 --temperatures 1   # a batch's tail at a real shape
 
---widen SHAPE runs part 1 on the embedded model widened into a Qwen2.5 shape (``models.widen``,
+--widen SHAPE runs part 1 on the embedded model widened into a Qwen2.5 shape (``app.widen``,
 f32 unless --dtype): the embedded model's tokens and acceptance at the real shape's cost per
 forward; with few rows (--prompts 1 --group 2) it is the tail of a GRPO batch, where a verify
 forward costs least over a plain step.
@@ -45,8 +45,10 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import cli, models, pipeline, rollout
-from specroll_jax.data import gsm8k, tasks
+from app import cli, pipeline, tasks
+from app.widen import QWEN25_SHAPES, widen
+from specroll_jax import rollout
+from specroll_jax.data import gsm8k
 from specroll_jax.slow_path import SlowPathConfig
 from specroll_jax.specroll import SpecRoll
 
@@ -68,18 +70,18 @@ def run_object(sr, params, state, tok, a, task, seed):
   compile_s = 0.0  # the object's compiles: its first batch compiles every program it can run
   for w in range(a.warmup):
     ids = prompts_of(tok, task, "train", a.prompts, offset=w * a.prompts)
-    out, state = sr.generate(params, sr.batch(ids, 10_000 + w * a.prompts + np.arange(a.prompts)),
-                             state, seed=seed + 100 + w)
-    compile_s += out.report.compile_seconds
+    pids = 10_000 + w * a.prompts + np.arange(a.prompts)
+    _, rep, state = sr.generate(params, sr.batch(ids, pids), state, seed=seed + 100 + w)
+    compile_s += rep.compile_seconds
   batch = sr.batch(prompts_of(tok, task, "test", a.prompts), np.arange(a.prompts))
-  out, state = sr.generate(params, batch, state, seed=seed + 1000)  # an earlier epoch: the store
-  compile_s += out.report.compile_seconds
+  _, rep, state = sr.generate(params, batch, state, seed=seed + 1000)  # an earlier epoch: the store
+  compile_s += rep.compile_seconds
   times, reports = [], []
   for _ in range(a.repeats):  # the same state each time: the same plan, the same tokens
-    out, _ = sr.generate(params, batch, state, seed=seed)
-    times.append(out.report.rollout_seconds)
-    reports.append(out.report)
-    compile_s += out.report.compile_seconds if len(times) == 1 else 0.0
+    out, rep, _ = sr.generate(params, batch, state, seed=seed)
+    times.append(rep.rollout_seconds)
+    reports.append(rep)
+    compile_s += rep.compile_seconds if len(times) == 1 else 0.0
   r = reports[0]
   return out, batch, {"seconds": float(np.median(times)), "tau": r.tau, "probe_tau": r.probe_tau,
                       "depth1": r.depth_acceptance[0] if r.depth_acceptance else None,
@@ -127,10 +129,9 @@ def curves(a, params, tok, arms, task: str, offset: int, batches: int, prompts: 
     ids = prompts_of(tok, task, "train", prompts, offset=offset + b * prompts)
     pids = 50_000 + offset + b * prompts + np.arange(prompts)
     for name, (obj, st) in arms.items():
-      res, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b,
-                             step_seconds=a.step_seconds)
+      _, rep, st = obj.generate(params, obj.batch(ids, pids), st, seed=a.seed + b,
+                                step_seconds=a.step_seconds)
       arms[name] = (obj, st)
-      rep = res.report
       out[name].append({"tau": rep.tau, "slow": None if rep.slow is None else rep.slow.decision,
                         "host_s": rep.host_seconds, "rollout_s": rep.rollout_seconds,
                         "refresh_s": 0.0 if rep.slow is None else rep.slow.refresh_seconds,
@@ -196,7 +197,7 @@ def main(argv=None):
   ap.add_argument("--ceiling-steps", type=int, default=4000)
   ap.add_argument("--cost-nodes", type=int, nargs="+", default=None,
                   help="node counts goodput prices and chooses from (default: SpecRoll's)")
-  ap.add_argument("--widen", choices=sorted(models.QWEN25_SHAPES), default=None,
+  ap.add_argument("--widen", choices=sorted(QWEN25_SHAPES), default=None,
                   help="part 1 on the embedded model widened into this Qwen2.5 shape")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                   help="the widened model's dtype")
@@ -215,8 +216,8 @@ def main(argv=None):
   if a.widen:
     if set(a.parts) - {"defaults"}:
       cli.fail("--parts", " ".join(a.parts), "--widen runs part 1 only (--parts defaults)")
-    config, params, heads = models.widen(config, params, models.QWEN25_SHAPES[a.widen],
-                                         key=jax.random.key(0), heads=heads, dtype=a.dtype)
+    config, params, heads = widen(config, params, QWEN25_SHAPES[a.widen],
+                                  key=jax.random.key(0), heads=heads, dtype=a.dtype)
   meta = {"command": "experiments/bench_specroll.py " + " ".join(argv or sys.argv[1:]),
           "cpu": _common.cpu_model(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "model": str(path),

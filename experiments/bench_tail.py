@@ -3,7 +3,7 @@
   .venv/bin/python experiments/bench_tail.py                 # widened Qwen2.5-0.5B, f32, 1 2 4 rows
   .venv/bin/python experiments/bench_tail.py --quick         # CI-sized smoke run (tiny widening)
 
-The embedded model widened into a Qwen2.5 shape (``models.widen``: the embedded model's tokens and
+The embedded model widened into a Qwen2.5 shape (``app.widen``: the embedded model's tokens and
 acceptance at the real shape's weight bytes and FLOPs per token), its root-conditioned heads widened
 with it. For each row count R (one synthetic test prompt x R samples: the rows a batch's tail
 keeps) the vanilla engine and the speculative engine (``Merged``: root-conditioned heads + group
@@ -30,9 +30,11 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import cli, executables, models, pipeline, rollout
+from app import cli, pipeline, tasks
+from app.widen import QWEN25_SHAPES, byte_count, widen
+from specroll_jax import executables, rollout
 from specroll_jax.config import SpecConfig
-from specroll_jax.data import gsm8k, tasks
+from specroll_jax.data import gsm8k
 from specroll_jax.proposers import GroupLookup, Merged, RankedHeads
 from specroll_jax.specroll import SpecRoll
 
@@ -73,11 +75,14 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
     gb = sr.batch([pb.tokens[0, : pb.lengths[0]]], np.asarray([a.prompt]))
     state = sr.init(heads)
     for w in range(a.specroll_warmup):  # earlier epochs of the same prompt: calibration, store
-      _, state = sr.generate(params, gb, state, seed=a.seed + 1000 + w)
+      _, _, state = sr.generate(params, gb, state, seed=a.seed + 1000 + w)
     warm_state = state
 
+    reports = []
+
     def object_call():
-      out, _ = sr.generate(params, gb, warm_state, seed=a.seed)
+      out, rep, _ = sr.generate(params, gb, warm_state, seed=a.seed)
+      reports.append(rep)
       return out
 
     fns["SpecRoll defaults"] = object_call
@@ -85,7 +90,7 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
   for k, fn in fns.items():
     outs[k], first[k] = _call(fn)
   if a.specroll:
-    rep = outs["SpecRoll defaults"].report
+    rep = reports[-1]
     choice = {"mode": rep.mode, "nodes": list(rep.nodes), "rollout_s": rep.rollout_seconds,
               "host_s": rep.host_seconds, "reflex": rep.reflex,
               "slow": None if rep.slow is None else rep.slow.decision}
@@ -117,7 +122,7 @@ def tail_rows(a, config, params, heads, tok, rows: int) -> dict:
 def main(argv=None):
   ap = cli.ArgumentParser(description=__doc__)
   _common.add_shared_flags(ap, out="runs/bench_tail.json", max_new_tokens=48, batch=False)
-  ap.add_argument("--shape", choices=sorted(models.QWEN25_SHAPES), default="0.5b",
+  ap.add_argument("--shape", choices=sorted(QWEN25_SHAPES), default="0.5b",
                   help="the Qwen2.5 shape to widen into")
   ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
   ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4], help="rows of the tail")
@@ -143,14 +148,14 @@ def main(argv=None):
     a.ranking = a.ranking[:1]
   config, params, tok, path = _common.load_model(a)
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
-  shape = _common.quick_shape() if a.quick else models.QWEN25_SHAPES[a.shape]
-  config, params, heads = models.widen(config, params, shape, key=jax.random.key(0), heads=heads,
-                                       dtype=a.dtype)
+  shape = _common.quick_shape() if a.quick else QWEN25_SHAPES[a.shape]
+  config, params, heads = widen(config, params, shape, key=jax.random.key(0), heads=heads,
+                                dtype=a.dtype)
   meta = {"command": "experiments/bench_tail.py " + " ".join(argv or sys.argv[1:]),
           "cpu": _common.cpu_model(), "jax": jax.__version__,
           "device": jax.devices()[0].device_kind, "shape": "quick" if a.quick else a.shape,
           "dtype": a.dtype, "layers": config.num_layers, "hidden": config.hidden_size,
-          "body_bytes": models.byte_count(config, a.dtype).body,
+          "body_bytes": byte_count(config, a.dtype).body,
           "temperature": a.temperature, "max_new_tokens": a.max_new_tokens}
   res = {"meta": meta, "tails": []}
   out = Path(a.out)

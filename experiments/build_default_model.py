@@ -22,15 +22,17 @@ from pathlib import Path
 import _common  # noqa: F401
 import numpy as np
 
-from specroll_jax import cli, models, sft
-from specroll_jax.cli import fail
+from app import cli, sft
+from app.cli import fail
+from specroll_jax import models
 
 
 def grpo_signal(path, *, prompts: int = 32, group: int = 8, max_new_tokens: int = 256,
                 temperature: float = 1.0, seed: int = 0, task=None) -> dict:
   """Rewards of ``prompts`` train prompts of ``task`` (default GSM8K) x ``group`` samples at
   ``temperature``."""
-  from specroll_jax import pipeline, rewards, rollout
+  from app import pipeline
+  from specroll_jax import rewards, rollout
   from specroll_jax.data import gsm8k
   config, params, tok, _ = pipeline.load_model(path)
   exs = (task.examples("train") if task is not None else gsm8k.load("train"))[:prompts]
@@ -56,8 +58,9 @@ def fit_and_save_heads(path, *, seed: int = 1234, task=None) -> dict:
   top-1 accuracy on held-out rollouts."""
   import jax
 
+  from app import pipeline
   from specroll_jax import heads as H
-  from specroll_jax import pipeline, rollout
+  from specroll_jax import rollout
   config, params, tok, _ = pipeline.load_model(path)
   t1 = rollout.SamplingConfig(temperature=1.0)
   tr = pipeline.self_rollouts(config, params, tok, num_prompts=128, max_new_tokens=256,
@@ -80,8 +83,7 @@ def synthetic_stage(base, out, *, level: int, steps: int, lr: float, batch_size:
   synthetic train prompts."""
   import shutil
 
-  from specroll_jax import evaluation, pipeline
-  from specroll_jax.data import tasks
+  from app import evaluation, pipeline, tasks
   config, params, tok, _ = pipeline.load_model(base)
   mix = tasks.Task(name="mix", level=level, seed=seed)
   cfg = sft.SFTConfig(vocab_size=config.vocab_size, seq_len=seq_len, batch_size=batch_size,
@@ -116,8 +118,9 @@ def fit_and_save_cond_heads(path, *, task=None, num_prompts: int = 2048, steps: 
   """Root-conditioned heads fitted on the model's own T = 1 rollouts of ``num_prompts`` train
   prompts of ``task`` (default GSM8K), written as ``cond_heads.safetensors``; returns their head-1
   quality on held-out rollouts (other prompts) against the target's own top-k mass."""
+  from app import pipeline
   from specroll_jax import cond_heads as CH
-  from specroll_jax import pipeline, rollout
+  from specroll_jax import rollout
   config, params, tok, _ = pipeline.load_model(path)
   sampling = rollout.SamplingConfig(temperature=1.0)
   hd = pipeline.fitted_cond_heads(config, params, tok, path, num_prompts=num_prompts,
@@ -153,7 +156,7 @@ def main(argv=None):
     fail("--lr", a.lr, "must be > 0")
   out = Path(a.out)
   if a.stage == "synthetic":
-    from specroll_jax.data import synthetic, tasks
+    from app import synthetic, tasks
     try:
       synthetic.Difficulty.from_level(a.level)
     except ValueError as e:

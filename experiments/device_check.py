@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from specroll_jax import cli  # noqa: E402
+from app import cli  # noqa: E402
 
 DEFAULT_BUDGET_S = 480.0  # last case start / benchmark stop: the whole run ends before 9 minutes
 BENCH_MIN_S = 60.0  # do not start the benchmark with less time than this left
@@ -214,8 +214,9 @@ def engine_cases(interpret):
   def reference(temp):
     def case():
       with jax.default_matmul_precision("highest"):
-        state[f"ref{temp}"] = rollout.generate(state["config"], state["params"], state["prompts"],
-                                               kernels="reference", **kw(temp))
+        state[f"ref{temp}"] = rollout.generate(
+            state["config"], state["params"], state["prompts"],
+            options=rollout.DecodeOptions(kernels="reference"), **kw(temp))
       return {"tokens": int(np.asarray(state[f"ref{temp}"].tokens).size)}
     return case
 
@@ -223,11 +224,12 @@ def engine_cases(interpret):
     def case():
       spec = (rollout.SpecConfig(node_budget=16, bucket_fractions=(1.0,)) if interpret
               else rollout.SpecConfig.for_h200())
-      extra = {"spec": spec, "heads": state["heads"]} if speculative else {}
+      speculation = rollout.Speculation.of_heads(state["heads"], spec) if speculative else None
+      kernels = "pallas_interpret" if interpret else "pallas"
       with jax.default_matmul_precision("highest"):
         got = rollout.generate(state["config"], state["params"], state["prompts"],
-                               kernels="pallas_interpret" if interpret else "pallas", **extra,
-                               **kw(temp))
+                               speculation=speculation,
+                               options=rollout.DecodeOptions(kernels=kernels), **kw(temp))
       ref = state[f"ref{temp}"]
       return {"token_identity": float((np.asarray(got.tokens) == np.asarray(ref.tokens)).mean()),
               "max_logprob_gap": float(np.abs(np.asarray(got.logprobs)

@@ -4,7 +4,7 @@ decode step reads gigabytes of weights), in one call that cannot lose its result
   python3 experiments/device_run.py --out $OUT                  # one H100/H200, < 8 minutes
   python3 experiments/device_run.py --quick --out /tmp/dr       # CPU smoke run (CI): tiny widening
 
-The model is the embedded one's exact function inside a Qwen2.5-shaped network (``models.widen``,
+The model is the embedded one's exact function inside a Qwen2.5-shaped network (``app.widen``,
 --shape, bf16 by default): acceptance is the small model's, cost is the real shape's (docs/
 widening.md). Cases, one at a time, each in its own try/except, ``<out>/device_run.json``
 rewritten after every case (``device_check.Report``); no case starts after --budget-s:
@@ -51,9 +51,11 @@ import device_check  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from specroll_jax import cli, models, pipeline, rollout  # noqa: E402
+from app import cli, pipeline, tasks  # noqa: E402
+from app.widen import QWEN25_SHAPES, WideShape, byte_count, widen  # noqa: E402
+from specroll_jax import rollout  # noqa: E402
 from specroll_jax.config import SpecConfig  # noqa: E402
-from specroll_jax.data import gsm8k, tasks  # noqa: E402
+from specroll_jax.data import gsm8k  # noqa: E402
 from specroll_jax.specroll import SpecRoll  # noqa: E402
 
 # The tail-of-batch split sweep: (num_splits, block_l) per config, None = the kernel's default.
@@ -69,9 +71,9 @@ def _peak_bytes() -> int | None:
 def widened(a):
   config, params, tok, path = pipeline.load_model(None, progress=False)
   heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
-  shape = _common.quick_shape() if a.quick else models.QWEN25_SHAPES[a.shape]
-  config, params, heads = models.widen(config, params, shape, key=jax.random.key(0), heads=heads,
-                                       dtype=a.dtype)
+  shape = _common.quick_shape() if a.quick else QWEN25_SHAPES[a.shape]
+  config, params, heads = widen(config, params, shape, key=jax.random.key(0), heads=heads,
+                                dtype=a.dtype)
   return config, params, heads, tok
 
 
@@ -87,10 +89,10 @@ def rollout_case(a, state, task, temperature):
       sr = dataclasses.replace(sr, budget="fixed", spec=SpecConfig(bucket_fractions=(1.0,)))
     st = sr.init(heads)
     if state.get("cost") is not None:  # one cost model for all temperatures (a step costs the same)
-      st = st.replace(cost=state["cost"])
+      sr.use_cost(state["cost"])
     ids = np.arange(a.prompts)
-    _, st = sr.generate(params, sr.batch(enc(warm), 10_000 + ids), st, seed=1)  # compiles
-    state.setdefault("cost", st.cost)
+    _, _, st = sr.generate(params, sr.batch(enc(warm), 10_000 + ids), st, seed=1)  # compiles
+    state.setdefault("cost", sr.cost)
     batch = sr.batch(enc(exs), ids)
     opts = rollout.DecodeOptions(cache_length=batch.rows.cache_length)
     van = lambda: rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
@@ -98,8 +100,7 @@ def rollout_case(a, state, task, temperature):
                                    max_new_tokens=a.max_new_tokens, seed=0, eos_ids=sr.eos_ids,
                                    options=opts)
     ref, t_van, c_van = _common.timed(van, 1)
-    out, _ = sr.generate(params, batch, st, seed=0)
-    r = out.report
+    out, r, _ = sr.generate(params, batch, st, seed=0)
     fwd = int(out.stats.forwards)
     return {"tau": r.tau, "probe_tau": r.probe_tau, "mode": r.mode, "nodes": list(r.nodes),
             "depth_acceptance": list(r.depth_acceptance), "seconds": r.rollout_seconds,
@@ -133,9 +134,9 @@ def split_case(a, interpret):
 
 def mesh_shape(a):
   if a.quick:  # two KV heads (the quick widening has one): model axis 2
-    return models.WideShape(hidden_size=256, num_layers=6, num_heads=6, num_kv_heads=2,
-                            head_dim=64, intermediate_size=768)
-  return models.QWEN25_SHAPES[a.mesh_shape]
+    return WideShape(hidden_size=256, num_layers=6, num_heads=6, num_kv_heads=2,
+                     head_dim=64, intermediate_size=768)
+  return QWEN25_SHAPES[a.mesh_shape]
 
 
 def mesh_case(a, state, m: int):
@@ -146,8 +147,8 @@ def mesh_case(a, state, m: int):
     if "mesh_model" not in state:
       config, params, tok, path = pipeline.load_model(None, progress=False)
       heads = pipeline.default_heads(config, params, tok, path, conditioned=True)
-      config, params, heads = models.widen(config, params, mesh_shape(a), key=jax.random.key(0),
-                                           heads=heads, dtype=a.dtype)
+      config, params, heads = widen(config, params, mesh_shape(a), key=jax.random.key(0),
+                                    heads=heads, dtype=a.dtype)
       state["mesh_model"] = config, params, heads, tok
     config, params, heads, tok = state["mesh_model"]
     mm = ModelMesh(make_mesh(1, m))
@@ -163,7 +164,7 @@ def mesh_case(a, state, m: int):
       sr = dataclasses.replace(sr, budget="fixed", spec=SpecConfig(bucket_fractions=(1.0,)))
     ids = np.arange(a.prompts)
     st = sr.init(heads)
-    _, st = sr.generate(sharded, sr.batch(enc(warm), 10_000 + ids), st, seed=1)  # compiles
+    _, _, st = sr.generate(sharded, sr.batch(enc(warm), 10_000 + ids), st, seed=1)  # compiles
     batch = sr.batch(enc(exs), ids)
 
     def van(p, mesh):
@@ -174,8 +175,7 @@ def mesh_case(a, state, m: int):
                                                             mesh=mesh))
     one, t_one, _ = _common.timed(lambda: van(params, None), 1)
     ref, t_van, c_van = _common.timed(lambda: van(sharded, mm), 1)
-    out, _ = sr.generate(sharded, batch, st, seed=0)
-    r = out.report
+    out, r, _ = sr.generate(sharded, batch, st, seed=0)
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in mm.mesh.devices.flat]
     same = lambda x: bool((np.asarray(x.tokens) == np.asarray(one.tokens)).all())
     return {"model_axis": m, "vanilla_identical": same(ref), "specroll_identical": same(out),
@@ -215,7 +215,7 @@ def main_job(report, a, out: Path):
 def main(argv=None):
   ap = cli.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   ap.add_argument("--out", default="runs/device_run")
-  ap.add_argument("--shape", default="1.5b", choices=sorted(models.QWEN25_SHAPES))
+  ap.add_argument("--shape", default="1.5b", choices=sorted(QWEN25_SHAPES))
   ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
   ap.add_argument("--prompts", type=int, default=32, help="test prompts per task")
   ap.add_argument("--group", type=int, default=8)
@@ -226,7 +226,7 @@ def main(argv=None):
   ap.add_argument("--budget-s", type=float, default=420.0,
                   help="no case starts, and the main job is stopped, after this many seconds")
   ap.add_argument("--skip-job", action="store_true")
-  ap.add_argument("--mesh-shape", default="7b", choices=sorted(models.QWEN25_SHAPES),
+  ap.add_argument("--mesh-shape", default="7b", choices=sorted(QWEN25_SHAPES),
                   help="the shape widened for the model-parallel cases (several devices only)")
   ap.add_argument("--mesh-models", type=int, nargs="+", default=[2, 4, 8],
                   help="model axis sizes of the model-parallel cases (those <= the device count)")
@@ -252,7 +252,7 @@ def main(argv=None):
   def load():
     state["model"] = widened(a)
     c = state["model"][0]
-    return {"shape": dataclasses.asdict(c), "bytes": dataclasses.asdict(models.byte_count(c))}
+    return {"shape": dataclasses.asdict(c), "bytes": dataclasses.asdict(byte_count(c))}
 
   cases.append(("widened/load", load))
   for task in ("synthetic", "gsm8k"):

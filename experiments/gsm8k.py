@@ -6,7 +6,7 @@
       --prompts 32 --group 8 --max-new-tokens 512 --lr 1e-6 --spec h200      # GPU / TPU
 
 Task: with the embedded model the default is the synthetic GSM8K-format problems
-(``data/synthetic.py``; ``--task synthetic --level 0``, 80 steps of 16 prompts x 8, lr 3e-4): a
+(``app/synthetic.py``; ``--task synthetic --level 0``, 80 steps of 16 prompts x 8, lr 3e-4): a
 2M-parameter model solves about 3% of GSM8K, too few correct samples for GRPO to learn from, but
 about a third of these at T = 1 (70% greedy), so the run shows GRPO learning. With ``--model``
 the default is GSM8K; ``--task gsm8k|synthetic|mix`` chooses.
@@ -43,15 +43,16 @@ import _common
 import jax
 import numpy as np
 
-from specroll_jax import adaptation, cli, distributed, models, pipeline, rollout
+from app import cli, pipeline
+from app import synthetic as _synthetic
+from app.loop import ROLLOUTS, Run, RunConfig, read_metrics
+from app.tasks import TASKS, Task
+from app.widen import QWEN25_SHAPES, widen
+from specroll_jax import distributed, rollout
 from specroll_jax import slow_path as SP
 from specroll_jax.buckets import check_fractions
-from specroll_jax.data import synthetic as _synthetic
-from specroll_jax.data.tasks import TASKS, Task
 from specroll_jax.grpo import OLD_POLICIES, GRPOConfig
-from specroll_jax.grpo.loop import ROLLOUTS, Run, RunConfig, read_metrics
 from specroll_jax.kernels import CHOICES as KERNEL_CHOICES
-from specroll_jax.models import QWEN25_SHAPES
 from specroll_jax.progress import is_terminal
 from specroll_jax.specroll import DEFAULT_REFLEX
 
@@ -71,7 +72,7 @@ def parse(argv):
                   help="cast the model to this dtype (default: as stored)")
   ap.add_argument("--widen", default=None, choices=sorted(QWEN25_SHAPES),
                   help="run the model's exact function inside a Qwen2.5-shaped network of this "
-                       "size (models.widen: the real shape's weight and KV bytes, the small "
+                       "size (app.widen: the real shape's weight and KV bytes, the small "
                        "model's acceptance; its heads widened alike): what a GPU measures")
   ap.add_argument("--task", default=None, choices=list(TASKS),
                   help="training problems (default: synthetic for the embedded model, gsm8k "
@@ -114,9 +115,6 @@ def parse(argv):
                        "measured acceptance; fixed: the --spec preset's budget")
   ap.add_argument("--rollout", default="specroll", choices=list(ROLLOUTS))
   ap.add_argument("--slow-path", default="degradation", choices=list(SP.MODES))
-  ap.add_argument("--slow-records", default=None, choices=list(adaptation.RECORD_SOURCES),
-                  help="deprecated, ignored: SpecRoll draws the slow path's records from the "
-                       "rollout's own anchor hidden states (--records-per-batch)")
   ap.add_argument("--reflex", default="on", choices=["on", "off"],
                   help="Reflex corrections on the heads (SpecRoll.reflex; off: None)")
   ap.add_argument("--reflex-sleep", type=int, default=DEFAULT_REFLEX.sleep_batches,
@@ -126,11 +124,10 @@ def parse(argv):
   ap.add_argument("--reflex-sleep-max", type=int, default=DEFAULT_REFLEX.sleep_max_batches,
                   help="each further awake batch that did not pay doubles the sleep, up to this "
                        "many batches (ReflexConfig.sleep_max_batches; 0: no backoff)")
-  ap.add_argument("--records-per-batch", "--trainer-anchors", dest="records_per_batch", type=int,
+  ap.add_argument("--records-per-batch", type=int,
                   default=RunConfig.records_per_batch,  # the class default: no backend query
                   help="anchors drawn per batch from the rollout's hidden states for the slow "
-                       "path, records per head at most (SpecRoll.records_per_batch; "
-                       "--trainer-anchors is its deprecated name)")
+                       "path, records per head at most (SpecRoll.records_per_batch)")
   ap.add_argument("--slow-bootstrap", type=int, default=None,
                   help="batches of the slow path's bootstrap fit of the heads to the target "
                        "(SlowPathConfig.bootstrap_batches; default: SlowPathConfig.for_model's)")
@@ -173,9 +170,6 @@ def parse(argv):
               model_axis=1)
   if a.slow_refresh_budget is not None and not 0 <= a.slow_refresh_budget < float("inf"):
     cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
-  if a.slow_records is not None:
-    print(f"note: --slow-records {a.slow_records} is deprecated and ignored: SpecRoll draws the "
-          "slow path's records from the rollout's own hidden states", file=sys.stderr)
   try:
     _synthetic.Difficulty.from_level(a.level)
   except ValueError as e:
@@ -214,7 +208,7 @@ def check_processes(a) -> None:
   """--coordinator, --num-processes, --process-id: all three or none, each valid. Several
   processes: each decodes and scores the rows its devices hold, the update is one data-parallel
   step over every process's devices, process 0 writes metrics, traces, the summary and plots
-  (``grpo.loop.Run``; tests/test_multiprocess.py). SpecRoll's state is the same in every
+  (``app.loop.Run``; tests/test_multiprocess.py). SpecRoll's state is the same in every
   process (its statistics are all-reduced)."""
   flags = {"--coordinator": a.coordinator, "--num-processes": a.num_processes,
            "--process-id": a.process_id}
@@ -281,7 +275,7 @@ def train(a, cfg: RunConfig, model, heads, out: Path, *, resume: bool) -> tuple[
           f"{warm.rollout_seconds:.1f} s, train step {warm.train_seconds:.1f} s", flush=True)
   recs = []
   while r.next_step < cfg.steps:
-    rec = r.step().to_dict()  # (a grpo.trainer.StepMetrics)
+    rec = r.step().to_dict()  # (an app.trainer.StepMetrics)
     recs.append(rec)
     probe = rec.get("probe_tau")
     print(f"[{cfg.rollout}] step {rec['step'] + 1}/{cfg.steps}  reward {rec['reward_mean']:.3f}  "
@@ -322,7 +316,7 @@ def summarize(recs: list[dict], compile_info: dict) -> dict:
 
 
 TASK_NOTE = {
-    "synthetic": "synthetic GSM8K-format word problems (level {level}; data/synthetic.py), "
+    "synthetic": "synthetic GSM8K-format word problems (level {level}; app/synthetic.py), "
                  "scored by the GSM8K reward. Why not GSM8K itself: the embedded model has 2M "
                  "parameters and solves about 3% of GSM8K, too few correct samples for GRPO to "
                  "learn from; at T = 1 it solves about a third of these (most groups mixed), so "
@@ -357,9 +351,9 @@ def main(argv=None):
     heads = pipeline.default_heads(config, params, tok, path, progress=is_terminal(),
                                    conditioned=True)
   if a.widen is not None:
-    config, params, heads = models.widen(config, params, QWEN25_SHAPES[a.widen],
-                                         key=jax.random.key(a.seed), heads=heads, dtype=a.dtype)
-    print(f"widened to the Qwen2.5-{a.widen} shape (models.widen: the same function)", flush=True)
+    config, params, heads = widen(config, params, QWEN25_SHAPES[a.widen],
+                                  key=jax.random.key(a.seed), heads=heads, dtype=a.dtype)
+    print(f"widened to the Qwen2.5-{a.widen} shape (app.widen: the same function)", flush=True)
   if a.model_axis > 1:
     from specroll_jax.mesh import ModelMesh, make_mesh
     if jax.local_device_count() % a.model_axis:
@@ -424,7 +418,7 @@ def held_out(cfg: RunConfig, model, params, mesh=None) -> tuple[float, float]:
   """Strict accuracy on the first ``cfg.eval_prompts`` test problems of the task: greedy, and one
   sample per problem under the run's sampling rule (fixed seed: the same responses for the same
   parameters); ``mesh``: the rollout mesh ``params`` are split over."""
-  from specroll_jax import evaluation
+  from app import evaluation
   config, _, tok = model
   exs = cfg.task.examples("test")[: cfg.eval_prompts]
   greedy = evaluation.accuracy(config, params, tok, exs, max_new_tokens=cfg.max_new_tokens,

@@ -34,10 +34,11 @@ from tunix.rl import rl_cluster as rlc
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
 
-from specroll_jax import cli, pipeline, rewards
+from app import cli, pipeline
+from app.tasks import Task
+from specroll_jax import rewards
 from specroll_jax.config import SpecConfig
 from specroll_jax.data import gsm8k
-from specroll_jax.data.tasks import Task
 from specroll_jax.integrations import tunix as sr
 from specroll_jax.mesh import ModelMesh
 from specroll_jax.slow_path import SlowPathConfig

@@ -133,9 +133,9 @@ def training_examples(tokens, lengths, num_heads: int):
   the flattened [B * M] hidden states, context tokens [A, K], target-anchor index [A, K] (the
   hidden state whose unembedding is head k's soft label), labels [A, K], mask [A, K]).
 
-  hidden[b, j] is the anchor of response token j (``generate(..., return_hidden=True)``); head k
-  at anchor j reads tokens j..j+k-1 and predicts token j + k, whose distribution is the
-  unembedding of hidden[b, j + k].
+  hidden[b, j] is the anchor of response token j (``generate`` with
+  ``DecodeOptions(return_hidden=True)``); head k at anchor j reads tokens j..j+k-1 and predicts
+  token j + k, whose distribution is the unembedding of hidden[b, j + k].
   """
   tokens, lengths = np.asarray(tokens), np.asarray(lengths)
   b, m = tokens.shape
@@ -188,9 +188,10 @@ def fit(config: ModelConfig, params, heads: CondHeads, tokens, lengths, hidden, 
         learning_rate: float = 3e-3, soft_weight: float = 0.8, weight_decay: float = 0.0,
         tv_weight: float = 1.0, seed: int = 0, progress: bool = True):
   """Fit the heads on the target's own rollouts (tokens [B, M], lengths [B], hidden [B, M, D]
-  from ``generate(..., return_hidden=True)`` at ``sampling``). Optax AdamW with cosine decay;
-  the loss is ``loss_fn``'s (``tv_weight``: its total-variation term, 1 by default: it raises
-  coupled acceptance on held-out rollouts, docs/benchmarks.md "Drafts coupled to the noise").
+  from ``generate`` with ``DecodeOptions(return_hidden=True)`` at ``sampling``). Optax AdamW
+  with cosine decay; the loss is ``loss_fn``'s (``tv_weight``: its total-variation term, 1 by
+  default: it raises coupled acceptance on held-out rollouts, docs/benchmarks.md "Drafts coupled
+  to the noise").
   Returns (heads, per-head soft CE history [steps, K])."""
   validate(config, heads)
   if steps <= 0 or batch_size <= 0:

@@ -64,9 +64,9 @@ class SpecConfig:
   bucket_fractions: row counts of the compiled buckets as fractions of the batch, descending and
     starting at 1.0; rows move to the next bucket (compacted, KV cache and proposer state included)
     once no more rows than it holds are active.
-  num_heads, topk: the shorthand ``generate(spec=..., heads=h)`` builds the static-heads proposer
-    ``HeadsProposer(num_heads, topk)`` from these. topk has one entry per head (candidates at each
-    depth); None means (4, 3, 2, 2, ...)[:num_heads].
+  num_heads, topk: the shorthand ``Speculation.of_heads(h, spec)`` builds the static-heads
+    proposer ``HeadsProposer(num_heads, topk)`` from these. topk has one entry per head
+    (candidates at each depth); None means (4, 3, 2, 2, ...)[:num_heads].
   nodes: nodes per row in each bucket, one entry per bucket fraction (what ``goodput.choose``
     picks from measured cost and acceptance); overrides node_budget / max_nodes (still capped by
     the proposer's capacity). 0 runs the plain decode step in that bucket.

@@ -21,13 +21,13 @@ the same traceable functions with the static settings spelled as keyword argumen
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, UInt32
 
+from specroll_jax import executables as _exe
 from specroll_jax import speculative as _spec
 from specroll_jax import vanilla as _vanilla
 from specroll_jax._fields import check_type, int_arg
@@ -110,9 +110,10 @@ class VanillaEngine:
                                     settings=self.settings)
 
   def jit(self, params, batch: PromptBatch) -> Rollout:
-    """``self(params, batch)`` compiled (one program per engine and batch shape)."""
+    """``self(params, batch)`` through its compiled program (``executables``: one per engine and
+    argument shapes)."""
     _dec.check_params(self.config, params)
-    return _vanilla_call(self, params, batch)
+    return _exe.run(self, params, batch)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,9 +153,10 @@ class SpecEngine:
                                      nodes=nodes)
 
   def jit(self, params, proposer_params, batch: PromptBatch) -> Rollout:
-    """``self(params, proposer_params, batch)`` compiled once per engine and batch shape."""
+    """``self(params, proposer_params, batch)`` through its compiled program (``executables``:
+    one per engine and argument shapes)."""
     _dec.check_params(self.config, params)
-    return _spec_call(self, params, proposer_params, batch)
+    return _exe.run(self, params, proposer_params, batch)
 
   def start(self, params, proposer_params, batch: PromptBatch) -> _spec.SpecState:
     """The loop state after the prefill (traceable): what :meth:`steps` continues."""
@@ -175,11 +177,3 @@ class SpecEngine:
     return jax.lax.fori_loop(0, count, body, state)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _vanilla_call(engine: VanillaEngine, params, batch: PromptBatch) -> Rollout:
-  return engine(params, batch)
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _spec_call(engine: SpecEngine, params, proposer_params, batch: PromptBatch) -> Rollout:
-  return engine(params, proposer_params, batch)

@@ -97,8 +97,9 @@ def head_weights(num_heads: int) -> np.ndarray:
 def training_examples(tokens, lengths, hidden, num_heads: int):
   """(anchor hidden [A, D], labels [A, K], label mask [A, K]) from rollouts.
 
-  hidden[b, j] is the anchor preceding response token j (``generate(..., return_hidden=True)``);
-  head k (1-based) at anchor j is labelled with response token j + k.
+  hidden[b, j] is the anchor preceding response token j (``generate`` with
+  ``DecodeOptions(return_hidden=True)``); head k (1-based) at anchor j is labelled with response
+  token j + k.
   """
   tokens, lengths, hidden = np.asarray(tokens), np.asarray(lengths), np.asarray(hidden)
   b, m = tokens.shape
@@ -123,7 +124,8 @@ def fit_heads(config: ModelConfig, params, heads: Heads, tokens, lengths, hidden
               steps: int = 300, batch_size: int = 256, learning_rate: float = 1e-2, seed: int = 0,
               progress: bool = True):
   """Fit the heads by self-distillation on the target's own rollouts (tokens [B, M], lengths [B],
-  hidden [B, M, D] from ``generate(..., return_hidden=True)``); no extra target forward.
+  hidden [B, M, D] from ``generate`` with ``DecodeOptions(return_hidden=True)``); no extra target
+  forward.
 
   Optimiser: optax AdamW with cosine decay. Returns (heads, per-head CE history [steps, K]).
   """

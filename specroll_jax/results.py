@@ -4,17 +4,11 @@ entries return them from inside a caller's ``jit`` / ``shard_map`` unchanged."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PyTree
-
-if TYPE_CHECKING:  # (these modules import this one)
-  from specroll_jax.adaptation import AdaptationReport, AdaptationState
-  from specroll_jax.reports import SpecRollReport
 
 
 class Summed:
@@ -97,11 +91,6 @@ class Rollout:
   stats: RolloutStats
   hidden: Float[Array, "B M D"] | None = None  # pre-norm hidden at the anchor before token j
   proposer_state: PyTree | None = None  # the proposer's shared (not per-row) state at the end
-  # the adaptation state after this rollout and its report (when one was passed in; deprecated)
-  adaptation: AdaptationState | None = None
-  adaptation_report: AdaptationReport | None = flax.struct.field(pytree_node=False, default=None)
-  # ``SpecRoll.generate``'s ``SpecRollReport`` of this batch (host numbers; None elsewhere)
-  report: SpecRollReport | None = flax.struct.field(pytree_node=False, default=None)
 
   def decode(self, tokenizer, *, keep_eos: bool = False) -> list[str]:
     """Each row's response as text (cut at its length; a sampled EOS dropped unless

@@ -1,11 +1,12 @@
 """Public rollout entry: vanilla and speculative (SpecRoll) generation with one sampling rule.
 
 ``generate(config, params, prompts, sampling=..., max_new_tokens=..., seed=...)`` validates host
-inputs and runs the vanilla engine (batched prefill, then one jitted ``lax.while_loop``). With a
-proposer (``proposer=`` and ``proposer_params=``, or the shorthand ``spec=SpecConfig(...)`` with
-``heads=...`` for static future-token heads) it runs the speculative engine, which returns the same
-tokens: both sample position t of response ``sample_id`` with the counter-based noise
-u(seed, sample_id, t, v) (``sampling.py``), so the speculative rollout is the target's own sample.
+inputs and runs the vanilla engine (batched prefill, then one jitted ``lax.while_loop``). With
+``speculation=Speculation(proposer, params, spec)`` (or ``Speculation.of_heads(heads)`` for static
+future-token heads) it runs the speculative engine, which returns the same tokens: both sample
+position t of response ``sample_id`` with the counter-based noise u(seed, sample_id, t, v)
+(``sampling.py``), so the speculative rollout is the target's own sample. ``options=
+DecodeOptions(...)`` holds how it decodes (kernels, hidden states, cache length, mesh, ...).
 
 Inside your own ``jax.jit`` / ``jax.shard_map`` call an engine object (``VanillaEngine`` /
 ``SpecEngine`` from ``engines``: static settings in a frozen object, traced parameters and one
@@ -46,17 +47,26 @@ __all__ = ["DecodeOptions", "DecodeSettings", "Kernels", "PreparedBatch", "Promp
            "VanillaEngine", "generate", "pad_prompts", "prepare_batch", "speculative_rollout",
            "vanilla_rollout"]
 
-PROMPT_BUCKET = 16  # prompt widths are padded up to a multiple of this (fewer recompiles)
+MIN_PROMPT_WIDTH = 32
+
+
+def prompt_width(longest: int, limit: int | None = None) -> int:
+  """The padded width of a batch whose longest prompt has ``longest`` tokens: the next power of
+  two, at least ``MIN_PROMPT_WIDTH``, and at most ``limit`` (the positions a model has left for
+  prompts) where that still holds the longest: the one padding rule of every entry (few widths,
+  few programs)."""
+  width = max(MIN_PROMPT_WIDTH, 1 << max(int(longest) - 1, 0).bit_length())
+  return width if limit is None else max(min(width, int(limit)), int(longest))
 
 
 def pad_prompts(prompts, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(tokens int32 [B, W] right-padded with 0, lengths int32 [B]) of ragged token-id lists.
-  ``width`` None: the longest prompt rounded up to a multiple of ``PROMPT_BUCKET``; a fixed width
-  (the same shapes for every batch: one compile) must hold the longest prompt."""
+  ``width`` None: ``prompt_width`` of the longest prompt; a fixed width (the same shapes for
+  every batch: one compile) must hold the longest prompt."""
   lens = np.array([len(p) for p in prompts], np.int32)
   longest = int(lens.max())
   if width is None:
-    width = -(-longest // PROMPT_BUCKET) * PROMPT_BUCKET
+    width = prompt_width(longest)
   elif longest > width:
     raise ValueError(f"width={width} is shorter than the longest prompt ({longest} tokens)")
   toks = np.zeros((len(prompts), int(width)), np.int32)
@@ -87,8 +97,8 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
                   allow_duplicate_sample_ids: bool = False) -> PreparedBatch:
   """Validate and pad a batch of prompts. Raises ValueError naming the argument, value and limit.
 
-  A list of prompts is padded to its longest prompt rounded up to a multiple of 16 (fewer
-  recompiles); a padded [B, P] array keeps its width P, so a caller can fix every shape.
+  A list of prompts is padded to ``prompt_width`` of its longest (a power of two, at least 32:
+  few programs); a padded [B, P] array keeps its width P, so a caller can fix every shape.
 
   Duplicate ``sample_ids`` are refused (two rows with the same prompt and id would get the same
   response) unless ``allow_duplicate_sample_ids``.
@@ -214,67 +224,13 @@ def _profiled(config, params, proposer, proposer_params, batch: PromptBatch, set
 _DEFAULT_SAMPLING = SamplingConfig()
 
 
-def resolve_proposer(spec: SpecConfig | None, heads, proposer: Proposer | None,
-                     proposer_params) -> tuple[SpecConfig | None, Proposer | None, object]:
-  """(spec, proposer, proposer params) of a ``generate`` call; None proposer means vanilla."""
-  if spec is not None and not isinstance(spec, SpecConfig):
-    raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
-  if proposer is not None:
-    if not isinstance(proposer, Proposer):
-      raise ValueError(f"proposer must be a specroll_jax.proposers.Proposer, got "
-                       f"{type(proposer).__name__}")
-    if heads is not None:
-      raise ValueError("pass either heads= (shorthand for HeadsProposer) or proposer= with "
-                       "proposer_params=, not both")
-    if proposer_params is None:
-      raise ValueError(f"proposer_params is None but proposer={type(proposer).__name__}(...) is "
-                       "given: pass its parameters (proposer_params=() for a proposer without "
-                       "any)")
-    return spec or SpecConfig(), proposer, proposer_params
-  if proposer_params is not None:
-    raise ValueError("proposer_params is set but proposer is None")
-  if heads is not None:
-    spec = spec or SpecConfig(num_heads=heads.num_heads)
-    if head_kinds.is_conditioned(heads):  # root-conditioned heads: the ranked expansion
-      return spec, *ranked_heads_proposer(spec, heads)
-    return spec, HeadsProposer(num_heads=spec.num_heads, topk=spec.topk), heads
-  if spec is not None:
-    raise ValueError("spec is set but neither heads nor proposer is; pass heads=heads.init(...) "
-                     "or fitted heads, or a proposer")
-  return None, None, None
-
-
-def ranked_heads_proposer(spec: SpecConfig, heads):
-  """(``RankedHeads``, its parameters) for root-conditioned ``heads`` (``cond_heads.CondHeads``)
-  under ``spec``'s tree settings: ``spec.topk`` candidates per depth, the best 2 partial paths
-  extended below depth 1 (``ReflexConfig``'s default beams), at most ``spec.max_nodes`` nodes;
-  acceptance scored by the uncalibrated table (each bin's own q)."""
-  if heads.num_heads != spec.num_heads:
-    raise ValueError(f"heads has {heads.num_heads} heads but spec.num_heads={spec.num_heads}; "
-                     f"pass SpecConfig(num_heads={heads.num_heads}, ...)")
-  rh = RankedHeads(num_heads=spec.num_heads, topk=spec.topk,
-                   beams=(1,) + (2,) * (spec.num_heads - 1), max_nodes=spec.max_nodes)
-  return rh, rh.params(heads)
-
-
-def check_adaptation(adaptation, *, heads=None, proposer=None, proposer_params=None) -> None:
-  """ValueError unless ``adaptation`` is an ``adaptation.AdaptationState`` given without another
-  way to choose the proposer (it brings its own)."""
-  from specroll_jax import adaptation as _adapt
-  if not isinstance(adaptation, _adapt.AdaptationState):
-    raise ValueError(f"adaptation must be an adaptation.AdaptationState, got "
-                     f"{type(adaptation).__name__}")
-  if heads is not None or proposer is not None or proposer_params is not None:
-    raise ValueError("adaptation= brings its own proposer; do not pass heads=, proposer= or "
-                     "proposer_params= with it")
-
-
 @dataclasses.dataclass(frozen=True)
 class Speculation:
   """The one way ``generate`` chooses a proposer: the proposer (settings), its parameters and the
   speculative engine's ``SpecConfig``. ``Speculation.of_heads(heads)`` is the static-heads
   shorthand (``HeadsProposer`` for Medusa heads, ``RankedHeads`` for root-conditioned ones). For
-  GRPO batches with adaptation, calibration and goodput budgets, use ``specroll_jax.SpecRoll``."""
+  GRPO batches with Reflex, the slow path, calibration and goodput budgets, use
+  ``specroll_jax.SpecRoll``."""
 
   proposer: Proposer
   params: object
@@ -292,8 +248,25 @@ class Speculation:
 
   @classmethod
   def of_heads(cls, heads, spec: SpecConfig | None = None) -> Speculation:
-    spec, prop, pp = resolve_proposer(spec, heads, None, None)
-    return cls(prop, pp, spec)
+    """Static future-token ``heads`` under ``spec`` (default: ``SpecConfig(num_heads=
+    heads.num_heads)``). Medusa heads (``heads.Heads``): ``HeadsProposer(spec.num_heads,
+    spec.topk)`` with the heads as its parameters. Root-conditioned heads
+    (``cond_heads.CondHeads``): ``RankedHeads`` with ``spec.topk`` candidates per depth, the best
+    2 partial paths extended below depth 1 (``ReflexConfig``'s default beams), at most
+    ``spec.max_nodes`` nodes, acceptance scored by the uncalibrated table (each bin's own q)."""
+    if heads is None:
+      raise ValueError("Speculation.of_heads: heads is None; pass heads.init(...) or fitted heads")
+    if spec is not None and not isinstance(spec, SpecConfig):
+      raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
+    spec = spec or SpecConfig(num_heads=heads.num_heads)
+    if not head_kinds.is_conditioned(heads):
+      return cls(HeadsProposer(num_heads=spec.num_heads, topk=spec.topk), heads, spec)
+    if heads.num_heads != spec.num_heads:
+      raise ValueError(f"heads has {heads.num_heads} heads but spec.num_heads={spec.num_heads}; "
+                       f"pass SpecConfig(num_heads={heads.num_heads}, ...)")
+    rh = RankedHeads(num_heads=spec.num_heads, topk=spec.topk,
+                     beams=(1,) + (2,) * (spec.num_heads - 1), max_nodes=spec.max_nodes)
+    return cls(rh, rh.params(heads), spec)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -335,14 +308,10 @@ class DecodeOptions:
                        "a time; it does not take a mesh")
 
 
-_OPTIONS = tuple(f.name for f in dataclasses.fields(DecodeOptions))
-_PROPOSER_WORDS = ("spec", "heads", "proposer", "proposer_params")
-
-
 def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig = _DEFAULT_SAMPLING,
              max_new_tokens: int, seed: int = 0, sample_ids=None, eos_ids=None,
              prompt_lengths=None, speculation: Speculation | None = None,
-             options: DecodeOptions | None = None, **deprecated) -> Rollout:
+             options: DecodeOptions | None = None) -> Rollout:
   """Sample one response per prompt from the target: the vanilla engine, or the speculative one
   with ``speculation`` (the same tokens).
 
@@ -353,113 +322,58 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
     slot or batch mates.
   eos_ids: ids that end a response (default: the config's); the EOS itself is part of the response.
   speculation: ``Speculation(proposer, params, spec)`` (any ``proposers.Proposer``), or
-    ``Speculation.of_heads(heads)``.
-  options: ``DecodeOptions`` (kernels, hidden states, non-finite handling, cache length, ...).
-
-  The keywords of earlier versions (``spec``, ``heads``, ``proposer``, ``proposer_params``,
-  ``adaptation`` and every ``DecodeOptions`` field) still work and warn (DeprecationWarning):
-  ``speculation=`` and ``options=`` replace them, and ``specroll_jax.SpecRoll`` replaces
-  ``adaptation=``.
+    ``Speculation.of_heads(heads)``. For GRPO batches whose proposer adapts to the policy
+    (Reflex, the slow path, calibration, goodput budgets), use ``specroll_jax.SpecRoll``.
+  options: ``DecodeOptions`` (kernels, hidden states, non-finite handling, cache length, ...;
+    default ``DecodeOptions()``).
   """
-  bad = sorted(set(deprecated) - set(_OPTIONS) - set(_PROPOSER_WORDS) - {"adaptation"})
-  if bad:
-    raise TypeError(f"generate() got unexpected keyword arguments {bad}")
-  legacy_opts = {k: deprecated.pop(k) for k in list(deprecated) if k in _OPTIONS}
-  if legacy_opts:
-    warnings.warn(f"generate({', '.join(f'{k}=' for k in legacy_opts)}) is deprecated: pass "
-                  "options=DecodeOptions(...)", DeprecationWarning, stacklevel=2)
-    if options is not None:
-      raise ValueError(f"pass options= or the deprecated {sorted(legacy_opts)}, not both")
-  opts = options if options is not None else DecodeOptions(**legacy_opts)
+  opts = DecodeOptions() if options is None else options
   if not isinstance(opts, DecodeOptions):
     raise ValueError(f"options must be a DecodeOptions, got {type(opts).__name__}")
-  adaptation = deprecated.pop("adaptation", None)
-  spec, heads, proposer, proposer_params = (deprecated.pop(k, None) for k in _PROPOSER_WORDS)
-  if adaptation is not None:
-    warnings.warn("generate(adaptation=...) is deprecated: use specroll_jax.SpecRoll (its state "
-                  "carries the heads, Reflex and the slow path)", DeprecationWarning,
-                  stacklevel=2)
-    check_adaptation(adaptation, heads=heads, proposer=proposer, proposer_params=proposer_params)
-  elif any(x is not None for x in (spec, heads, proposer, proposer_params)):
-    warnings.warn("generate(spec=, heads=, proposer=, proposer_params=) is deprecated: pass "
-                  "speculation=Speculation(proposer, params, spec) or Speculation.of_heads(heads)",
-                  DeprecationWarning, stacklevel=2)
-    if speculation is not None:
-      raise ValueError("pass speculation= or the deprecated spec=/heads=/proposer=, not both")
-    spec, proposer, proposer_params = resolve_proposer(spec, heads, proposer, proposer_params)
-    if proposer is not None:
-      speculation = Speculation(proposer, proposer_params, spec)
   if speculation is not None and not isinstance(speculation, Speculation):
     raise ValueError(f"speculation must be a Speculation, got {type(speculation).__name__}")
-  if speculation is not None and adaptation is not None:
-    raise ValueError("adaptation= brings its own proposer; do not pass speculation= with it")
-  return _generate(config, params, prompts, sampling, max_new_tokens, seed, sample_ids, eos_ids,
-                   prompt_lengths, speculation, opts, adaptation, spec)
-
-
-def _generate(config, params, prompts, sampling, max_new_tokens, seed, sample_ids, eos_ids,
-              prompt_lengths, speculation, opts: DecodeOptions, adaptation, spec) -> Rollout:
-  kernels, return_hidden, on_nonfinite = opts.kernels, opts.return_hidden, opts.on_nonfinite
-  cache_length, pad_id, bucket_fractions = opts.cache_length, opts.pad_id, opts.bucket_fractions
-  profile, allow_duplicate_sample_ids = opts.profile, opts.allow_duplicate_sample_ids
-  proposer = proposer_params = None
+  proposer = proposer_params = spec = None
   if speculation is not None:
     proposer, proposer_params, spec = (speculation.proposer, speculation.params,
                                        speculation.spec)
   if not isinstance(sampling, SamplingConfig):
     raise ValueError(f"sampling must be a SamplingConfig, got {type(sampling).__name__}")
-  if on_nonfinite not in ("raise", "flag"):
-    raise ValueError(f"on_nonfinite must be 'raise' or 'flag', got {on_nonfinite!r}")
   check_seed(seed)
   _dec.check_params(config, params)
-  kern = Kernels.resolve(kernels, mesh=opts.mesh)
+  kern = Kernels.resolve(opts.kernels, mesh=opts.mesh)
   if kern.mesh is not None:
     kern.mesh.check_params(config, params)
-  if adaptation is not None:
-    from specroll_jax import adaptation as _adapt
-    check_adaptation(adaptation)
-    want = adaptation.config.for_sampling(sampling).slow.temperature
-    if adaptation.config.slow.mode != "off" and adaptation.config.slow.temperature != want:
-      raise ValueError(
-          f"adaptation's SlowPathConfig.temperature={adaptation.config.slow.temperature} does not "
-          f"match the sampling temperature (records are at {want}); build the state with "
-          "AdaptationConfig.for_sampling(sampling)")
-    proposer, proposer_params = _adapt.proposer(adaptation)
-    spec = spec or SpecConfig()
   if proposer is not None:
     proposer.validate(config, proposer_params)
-    if bucket_fractions is not None:
-      raise ValueError("bucket_fractions is for the vanilla engine; the speculative engine takes "
-                       "its buckets from spec=SpecConfig(bucket_fractions=...)")
+    if opts.bucket_fractions is not None:
+      raise ValueError("DecodeOptions.bucket_fractions is for the vanilla engine; the speculative "
+                       "engine takes its buckets from Speculation.spec (SpecConfig("
+                       "bucket_fractions=...))")
   batch = prepare_batch(config, prompts, max_new_tokens=max_new_tokens,
                         prompt_lengths=prompt_lengths, sample_ids=sample_ids, eos_ids=eos_ids,
-                        cache_length=cache_length,
-                        allow_duplicate_sample_ids=allow_duplicate_sample_ids)
-  extra = {} if bucket_fractions is None else {"bucket_fractions": tuple(bucket_fractions)}
+                        cache_length=opts.cache_length,
+                        allow_duplicate_sample_ids=opts.allow_duplicate_sample_ids)
+  extra = ({} if opts.bucket_fractions is None
+           else {"bucket_fractions": tuple(opts.bucket_fractions)})
   if proposer is not None:
     proposer.validate_batch(config, proposer_params, batch.tokens, batch.lengths,
                             batch.sample_ids)
   settings = DecodeSettings(sampling=sampling, max_new_tokens=int(max_new_tokens),
                             cache_length=batch.cache_length, kernels=kern,
-                            return_hidden=bool(return_hidden), pad_id=pad_id, **extra)
+                            return_hidden=bool(opts.return_hidden), pad_id=opts.pad_id, **extra)
   dev = batch.device(seed)
   if kern.mesh is not None:
     dev = kern.mesh.place_batch(dev)
-  t0 = time.perf_counter()
   if proposer is None:
     out = VanillaEngine(config, settings).jit(params, dev)
-  elif profile:
+  elif opts.profile:
     out = _profiled(config, params, proposer, proposer_params, dev, settings, spec)
   else:
     out = SpecEngine(config, settings, proposer, spec).jit(params, proposer_params, dev)
   nf = np.asarray(out.stats.nonfinite)
   if nf.any():
     msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
-    if on_nonfinite == "raise":
+    if opts.on_nonfinite == "raise":
       raise FloatingPointError(msg)
     warnings.warn(msg, RuntimeWarning, stacklevel=2)
-  if adaptation is not None:
-    state, report = _adapt.after_rollout(adaptation, config, params, out,
-                                         time.perf_counter() - t0)
-    out = out.replace(adaptation=state, adaptation_report=report)
   return out

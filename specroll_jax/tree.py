@@ -15,17 +15,18 @@ the library's proposers use:
   them by score puts every parent before its children: the tree is prefix-closed and
   topologically ordered by construction, with no duplicate (parent, token).
 * ``chain``: a single path (e.g. prompt-lookup continuations).
-* ``merge_chain``: a chain grafted onto a tree within the row's budget, sharing identical paths.
+* ``select``: the best distinct candidate paths of any sources (``Candidates``) by estimated
+  acceptance, within the row's budget (duplicate paths merged).
 
 ``accept`` is exact verification: a node is accepted iff its parent is and its token equals the
 target's own sample at the parent.
 
 Priority order: the builders keep nodes in an order where dropping valid nodes from the end keeps
-the tree prefix-closed (a node's children come after it). ``merge_chain`` relies on it.
+the tree prefix-closed (a node's children come after it).
 
-Why one module of ~500 lines: ``Tree``'s rules, the builders that keep them (``plan``, ``chain``,
-``merge_chain``, ``select``), ``sanitize`` that restores them and ``accept`` that relies on them
-are one contract; split apart, each half would restate the other's invariants.
+Why one module: ``Tree``'s rules, the builders that keep them (``plan``, ``chain``, ``select``),
+``sanitize`` that restores them and ``accept`` that relies on them are one contract; split apart,
+each half would restate the other's invariants.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class Tree:
 
   The node axis is exactly N1: never more nodes than ``num_nodes``; a smaller tree gets invalid
   nodes appended with ``pad``. Any node order is accepted, but the library's builders keep
-  parents before their children (``merge_chain`` relies on it).
+  parents before their children.
 
   **Rules on values.** The engine cannot check these at trace time; it enforces 1-5 on every
   step instead (``sanitize``), so breaking one costs speed, never exactness.
@@ -96,8 +97,8 @@ class Tree:
 
   Exactness would depend on rules 1-3, which ``sanitize`` enforces; a row that breaks rule 7
   stops early; rules 4-6 and 8 only decide speed. The builders here (``chain``, ``plan``,
-  ``merge_chain``, ``select``, ``root_only``, ``pad``) keep rules 1-6 and 8. For rule 7,
-  ``chain`` and ``merge_chain`` use the tokens they are given.
+  ``select``, ``root_only``, ``pad``) keep rules 1-6 and 8. For rule 7, ``chain`` uses the tokens
+  it is given.
   """
 
   tokens: Int[Array, "R N1"]  # node tokens, node 0 = root
@@ -313,59 +314,6 @@ def chain(root: Int[Array, " R"], tokens: Int[Array, "R C"], length: Int[Array, 
   mask = mask | jnp.eye(n1, dtype=bool)[None]
   return Tree(tokens=jnp.concatenate([root[:, None].astype(jnp.int32), toks], axis=1),
               depth=depth, parent=parent, mask=mask, valid=valid)
-
-
-def merge_chain(tree: Tree, tokens: Int[Array, "R C"], length: Int[Array, " R"],
-                budget: Int[Array, " R"], *, max_depth: int) -> Tree:
-  """Graft the chain root -> tokens[:length] onto ``tree``, within ``budget`` nodes per row.
-
-  The chain's leading nodes that the tree already holds (same parent, same token) are shared, not
-  duplicated; the chain's new nodes replace the tree's last valid nodes (priority order, see the
-  module docstring) that are not on the shared prefix, and fill invalid slots first. A chain longer
-  than the budget allows is cut. ``max_depth`` bounds every node's depth in the result.
-  """
-  r, n1 = tree.tokens.shape
-  c = tokens.shape[1]
-  idx = jnp.arange(n1)[None]
-  length = jnp.clip(length, 0, c)
-  # 1. Walk the chain down the tree while its tokens are already there.
-  cur = jnp.zeros((r,), jnp.int32)
-  shared = jnp.zeros((r,), jnp.int32)
-  alive = jnp.ones((r,), bool)
-  on_prefix = idx == 0
-  for d in range(c):
-    hit = tree.valid & (tree.parent == cur[:, None]) & (tree.tokens == tokens[:, d:d + 1])
-    found = hit.any(1) & alive & (d < length)
-    node = jnp.argmax(hit, axis=1).astype(jnp.int32)
-    cur = jnp.where(found, node, cur)
-    shared = shared + found
-    alive = alive & found
-    on_prefix = on_prefix | ((idx == node[:, None]) & found[:, None])
-  # 2. How many new chain nodes fit, and which tree nodes make room for them.
-  n_valid = tree.valid.sum(1) - 1
-  budget = jnp.maximum(budget, n_valid)  # a tree never holds more than its budget already
-  new = jnp.minimum(length - shared, budget - shared)
-  drop_n = jnp.maximum(n_valid + new - budget, 0)
-  removable = tree.valid & ~on_prefix
-  from_end = jnp.cumsum(removable[:, ::-1], axis=1)[:, ::-1]  # removable nodes at index >= i
-  valid = tree.valid & ~(removable & (from_end <= drop_n[:, None]))
-  # 3. Put chain node i (i < new) into the i-th free slot.
-  free = ~valid & (idx > 0)
-  free_rank = jnp.cumsum(free, axis=1) - 1
-  toks, depth, parent = tree.tokens, tree.depth, tree.parent
-  prev = cur
-  for i in range(c):
-    use = i < new
-    at = free & (free_rank == i) & use[:, None]
-    slot = jnp.argmax(at, axis=1).astype(jnp.int32)
-    tok = jnp.take_along_axis(tokens, jnp.minimum(shared + i, c - 1)[:, None], axis=1)
-    toks = jnp.where(at, tok, toks)
-    depth = jnp.where(at, (shared + 1 + i)[:, None], depth)
-    parent = jnp.where(at, prev[:, None], parent)
-    valid = valid | at
-    prev = jnp.where(use, slot, prev)
-  return Tree(tokens=toks, depth=depth, parent=parent, valid=valid,
-              mask=ancestor_mask(parent, valid, max_depth))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,17 @@
 """Shared fixtures: a tiny trained GSM8K model (``tests/assets/test-model``) and a random tiny
-model."""
+model. ``experiments/`` is on ``sys.path`` for the whole session, as for the experiment scripts, so
+tests import the app package beside the library as ``from app import pipeline``."""
 
 import gc
 import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.join(ROOT, "experiments")
+if EXPERIMENTS not in sys.path:
+  sys.path.insert(0, EXPERIMENTS)
+# a test subprocess's PYTHONPATH: the checkout (the library) and experiments/ (the app package)
+PYTHONPATH = os.pathsep.join([ROOT, EXPERIMENTS, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -10,8 +19,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # tests): a program compiled once in this run, by this process or a child, is loaded from disk
 # the next time (after the per-module cache release below, in the 4-device and job subprocesses,
 # in the next local run). Keyed by the program, jax version, flags and device: never stale.
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".pytest_cache", "jax-cache"))
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(ROOT, ".pytest_cache", "jax-cache"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # `make test` (the fast suite) sets SPECROLL_TEST_FAST_COMPILE=1: XLA's CPU backend then compiles
@@ -100,11 +109,7 @@ def run_on_cpu_devices(tmp_path, source: str, devices: int = 4, timeout: int = 6
   ``devices`` CPU devices (XLA_FLAGS set before jax is imported); returns the parsed JSON."""
   import json
   import subprocess
-  import sys
-  from pathlib import Path
-  root = Path(__file__).resolve().parents[1]
-  env = dict(os.environ, XLA_FLAGS=xla_flags(devices),
-             PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=xla_flags(devices), PYTHONPATH=PYTHONPATH, JAX_PLATFORMS="cpu")
   script = tmp_path / "on_devices.py"
   script.write_text(source)
   proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
@@ -146,17 +151,10 @@ def ancestor_closure(parent, valid):
   return want
 
 
-EXPERIMENTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "experiments")
-
-
 def load_script(name: str):
-  """An experiment script (``experiments/<name>``) as a module, with its folder on sys.path as
-  when it runs as a script; tests call its ``main(argv)`` in-process."""
+  """An experiment script (``experiments/<name>``) as a module (its folder is on sys.path, as when
+  it runs as a script); tests call its ``main(argv)`` in-process."""
   import importlib.util
-  import sys
-  if EXPERIMENTS not in sys.path:
-    sys.path.insert(0, EXPERIMENTS)
   spec = importlib.util.spec_from_file_location(f"_exp_{name[:-3]}",
                                                 os.path.join(EXPERIMENTS, name))
   mod = importlib.util.module_from_spec(spec)

@@ -1,7 +1,8 @@
 """experiments/bench_adaptation.py in-process: the --quick run (a GRPO policy sequence saved with
-orbax, replayed by every quick arm with the vanilla tokens), reuse of a saved sequence, and bad
-input (a --policies folder of another model's checkpoints, an unknown arm, bad --buckets): one
-line, exit 2."""
+orbax, replayed by every quick arm, each a ``SpecRoll`` carrying its own state, with the vanilla
+tokens), reuse of a saved sequence, each arm's ``SpecRoll`` settings, and bad input (a --policies
+folder of another model's checkpoints, an unknown arm, Reflex arms without the lookup, bad
+--buckets): one line, exit 2."""
 
 import json
 
@@ -10,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import load_script
 
-from specroll_jax import pipeline
-from specroll_jax.checkpoint import Checkpointer
+from app import pipeline
+from app.checkpoint import Checkpointer
 
 
 def _one_line_exit_2(capsys, fn, name):
@@ -25,7 +26,7 @@ def _one_line_exit_2(capsys, fn, name):
 
 
 @pytest.mark.long
-@pytest.mark.slow  # a GRPO run + 3 arms (2 rollout programs), one row bucket: about 40 s
+@pytest.mark.slow  # a GRPO run + 3 SpecRoll arms (3 rollout programs), one row bucket: ~3 min
 def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   mod = load_script("bench_adaptation.py")
@@ -54,21 +55,25 @@ def test_quick_run_replays_a_grpo_policy_sequence(tmp_path, monkeypatch, capsys)
     assert sorted(data["arms"][x][b]["turn"] for x in arms) == list(range(len(arms)))
   firsts = [next(x for x in arms if data["arms"][x][b]["turn"] == 0) for b in range(3)]
   assert len(set(firsts)) == 3
-  # arm trainer: records from the trainer's forward each batch, the slow path saw them
-  for r in data["arms"]["trainer"]:
-    assert r["trainer_forward_seconds"] > 0 and r["records_seconds"] > 0
+  # every batch verified trees (the fixed budget); arm both: the slow path's records drawn from
+  # the rollout's hidden states each batch, the arms without it none
+  assert all(r["mode"] == "speculative" for rec in data["arms"].values() for r in rec)
+  for r in data["arms"]["both"]:
     assert r["slow"]["decision"] in mod.SP.REASONS and sum(r["slow"]["records"]) > 0
-  assert data["summary"]["trainer"]["trainer_forward_seconds"] > 0
-  # arm trainer's Reflex sleeps (--trainer-sleep 3) after an awake batch whose corrections did not
+  assert data["summary"]["both"]["records"] > 0
+  assert all(r["slow"] is None and r["reflex"] is None for x in ("static", "ceiling")
+             for r in data["arms"][x])
+  # arm both's Reflex sleeps (--reflex-sleep 3) after an awake batch whose corrections did not
   # pay: the sleep counts down batch by batch, and the first batch (a fresh state) is awake
-  tr = [r["reflex"] for r in data["arms"]["trainer"]]
-  assert tr[0]["asleep"] is False and "correction_rate" in tr[0]
+  tr = [r["reflex"] for r in data["arms"]["both"]]
+  assert tr[0]["asleep"] is False and tr[0]["mode"] == "awake" and len(tr[0]["safety"]) == 3
   for before, now in zip(tr, tr[1:], strict=False):
     assert now["asleep"] == (before["sleep_left"] > 0)
     if now["asleep"]:
       assert now["sleep_left"] == before["sleep_left"] - 1
-  assert data["summary"]["trainer"]["asleep_batches"] == sum(x["asleep"] for x in tr)
-  assert any(g["goal"].startswith("(d')") for g in data["goals"])
+  assert data["summary"]["both"]["asleep_batches"] == sum(x["asleep"] for x in tr)
+  assert [g["goal"][:3] for g in data["goals"]] == ["(d)"] * 3
+  assert "SpecRoll" in data["meta"]["arms"]["both"]["specroll"]
   # the policies drift: KL to step 0 is 0 at step 0, positive after; the parameters moved
   p = data["policies"]
   assert [x["step"] for x in p] == [0, 1, 2]
@@ -153,8 +158,51 @@ def test_bad_buckets_exit_2(tmp_path, monkeypatch, capsys, buckets):
 
 
 def test_quick_replays_in_one_bucket():
-  a = load_script("bench_adaptation.py").parse(["--quick"])
-  assert a.buckets == [1.0] and "lookup" not in a.arms
+  mod = load_script("bench_adaptation.py")
+  a = mod.parse(["--quick"])
+  assert a.buckets == [1.0] and a.arms == list(mod.QUICK_ARMS) == ["static", "both", "ceiling"]
+  assert mod.parse([]).arms == list(mod.ARMS)
+
+
+def test_each_arm_is_a_specroll_configuration():
+  """Every arm: one tree (heads + lookup, no store), the script's fixed SpecConfig; static and
+  ceiling: Reflex off, slow path "off"; both: Reflex and the slow path on degradation (the
+  flags' records per batch and Reflex sleep); every_batch: a refit every batch."""
+  mod = load_script("bench_adaptation.py")
+  a = mod.parse(["--records-per-batch", "64", "--reflex-sleep", "2", "--reflex-sleep-max", "8",
+                 "--slow-steps", "3"])
+  config, _, tok, _ = pipeline.load_model(None)
+  spec = mod.rollout.SpecConfig(node_budget=40, bucket_fractions=(1.0, 0.5))
+  sr = {x: mod.arm_specroll(arm, a, config, sampling=mod.rollout.SamplingConfig(1.0), spec=spec,
+                            num_heads=3, prompt_width=48, eos_ids=tuple(tok.eos_ids))
+        for x, arm in mod.ARMS.items()}
+  for x, s in sr.items():
+    assert (s.budget, s.spec, s.store_prompts, s.prompt_width) == ("fixed", spec, 0, 48), x
+    assert s.lookup is not None and s.records_per_batch == 64 and s.group_size == a.group, x
+    assert s.slow.refresh_steps == 3 and s.slow.learning_rate == a.slow_lr, x
+  assert {x: (s.reflex is not None, s.slow.mode) for x, s in sr.items()} == {
+      "static": (False, "off"), "reflex": (True, "off"), "slow": (False, "degradation"),
+      "both": (True, "degradation"), "every_batch": (False, "every_batch"),
+      "scheduled": (True, "scheduled"), "ceiling": (False, "off")}
+  assert sr["static"] == sr["ceiling"]  # the ceiling differs by its heads alone
+  r = sr["both"].reflex
+  assert (r.sleep_batches, r.sleep_max_batches, r.record_capacity) == (2, 8, 0)
+  heads_alone = mod.arm_specroll(mod.ARMS["static"], mod.parse(["--no-lookup"]), config,
+                                 sampling=mod.rollout.SamplingConfig(1.0), spec=spec, num_heads=3,
+                                 prompt_width=48, eos_ids=tuple(tok.eos_ids))
+  assert heads_alone.lookup is None
+
+
+def test_no_lookup_drops_or_refuses_the_reflex_arms(tmp_path, monkeypatch, capsys):
+  """Reflex runs on the heads + lookup tree: --no-lookup leaves the Reflex arms out by default
+  and refuses them when named."""
+  monkeypatch.chdir(tmp_path)
+  mod = load_script("bench_adaptation.py")
+  assert mod.parse(["--no-lookup"]).arms == ["static", "slow", "every_batch", "ceiling"]
+  assert mod.parse(["--no-lookup", "--quick"]).arms == ["static", "ceiling"]
+  line = _one_line_exit_2(capsys, lambda: mod.parse(["--no-lookup", "--arms", "static", "both"]),
+                          "--arms")
+  assert "both" in line and "lookup" in line
 
 
 def test_in_loop_cost_is_charged_on_awake_batches_against_static_on_the_same_batches():
@@ -166,14 +214,14 @@ def test_in_loop_cost_is_charged_on_awake_batches_against_static_on_the_same_bat
 
   def rec(b, seconds, forwards, asleep=None, tau=1.5):
     return {"batch": b, "seconds": seconds, "forwards": forwards, "tau": tau, "acceptance": [0.5],
-            "same": True, "adaptation_seconds": 0.01, "compile_seconds": 0.0,
+            "same": True, "host_seconds": 0.01, "compile_seconds": 0.0,
             "reflex": None if asleep is None else {"asleep": asleep}}
 
   static = [rec(0, 1.0, 10), rec(1, 2.0, 10), rec(2, 1.0, 10), rec(3, 1.0, 10)]
   # awake batches 0 and 1: 10% slower per forward than static there; asleep 2, 3: 4% faster
-  trainer = [rec(0, 1.1, 10, False), rec(1, 2.2, 10, False), rec(2, 0.96, 10, True),
-             rec(3, 0.96, 10, True)]
-  s = mod.summarize({"static": static, "trainer": trainer}, [1.0] * 4, a)["trainer"]
+  reflex = [rec(0, 1.1, 10, False), rec(1, 2.2, 10, False), rec(2, 0.96, 10, True),
+            rec(3, 0.96, 10, True)]
+  s = mod.summarize({"static": static, "reflex": reflex}, [1.0] * 4, a)["reflex"]
   assert s["in_loop_cost"] == pytest.approx(0.10)
   assert s["in_loop_asleep_cost"] == pytest.approx(-0.04)
   roll = 1.1 + 2.2 + 0.96 + 0.96
@@ -181,3 +229,10 @@ def test_in_loop_cost_is_charged_on_awake_batches_against_static_on_the_same_bat
   assert s["host_share"] == pytest.approx(0.04 / roll)
   assert s["asleep_batches"] == 2
   assert mod.summarize({"static": static}, [1.0] * 4, a)["static"]["in_loop_asleep_cost"] is None
+  # with the slow path's records (the anchor hidden states) an asleep batch is no longer static's
+  # program: every batch is charged, none gives the noise figure
+  both = [{**r, "slow": {"records": [4]}} for r in reflex]
+  s = mod.summarize({"static": static, "both": both}, [1.0] * 4, a)["both"]
+  assert s["in_loop_asleep_cost"] is None and s["asleep_batches"] == 2
+  assert s["in_loop_cost"] == pytest.approx((1.1 + 2.2 + 0.96 + 0.96) / 5.0 - 1)
+  assert s["in_loop_share"] == pytest.approx(0.22 / roll) and s["records"] == 16

@@ -14,10 +14,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from conftest import PYTHONPATH
 
-from specroll_jax.checkpoint import Checkpointer
-
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from app.checkpoint import Checkpointer
 
 
 @flax.struct.dataclass
@@ -98,7 +97,7 @@ def test_keep_last_k_and_save_every(tmp_path):
 _KILLED_SAVE = textwrap.dedent("""
   import os, sys, time
   import jax.numpy as jnp
-  from specroll_jax.checkpoint import Checkpointer
+  from app.checkpoint import Checkpointer
 
   ckpt = Checkpointer(sys.argv[1], max_to_keep=3)
   ckpt.save(0, {"w": jnp.zeros((512, 1024))}, {"step": 0})
@@ -121,8 +120,7 @@ _KILLED_SAVE = textwrap.dedent("""
 def test_save_killed_mid_write_is_ignored(tmp_path):
   """A process SIGKILLed while saving step 1 (data written, not committed) leaves a tmp directory;
   a new Checkpointer restores step 0 and can save step 1 again."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=PYTHONPATH)
   proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path)], env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   try:

@@ -3,7 +3,7 @@ logits, a Medusa head does not), save/load round trip, fitting lowers the loss a
 heads on the same rollouts; ranked proposers (root-conditioned, Medusa, merged with the
 group-aware lookup) give the vanilla rollout token for token; the slow path's guarded refresh of
 root-conditioned heads keeps, changes and rolls back (bit for bit) exactly the heads its held-out
-evaluation says, on hand-made records and under Reflex in a rollout loop."""
+evaluation says, on hand-made records and under Reflex in ``SpecRoll``'s rollouts."""
 
 import functools
 
@@ -31,8 +31,8 @@ def rollouts(trained_model, gsm8k_prompts):
   config, params, tok = trained_model
   prompts = [p for p in gsm8k_prompts[:8] for _ in range(G)]
   r = rollout.generate(config, params, prompts, sampling=SAMPLING, max_new_tokens=48, seed=3,
-                       sample_ids=np.arange(len(prompts)), return_hidden=True,
-                       eos_ids=tok.eos_ids)
+                       sample_ids=np.arange(len(prompts)), eos_ids=tok.eos_ids,
+                       options=rollout.DecodeOptions(return_hidden=True))
   return np.asarray(r.tokens), np.asarray(r.lengths), np.asarray(r.hidden)
 
 
@@ -97,8 +97,8 @@ def test_cond_heads_validation(trained_model):
   with pytest.raises(ValueError, match="heads has 2 heads, expected 3"):
     RankedHeads().validate(config, RankedHeads().params(ch))
   with pytest.raises(ValueError, match=r"heads has 2 heads but spec.num_heads=3"):
-    rollout.resolve_proposer(SpecConfig(), ch, None, None)
-  prop, _ = rollout.ranked_heads_proposer(SpecConfig(num_heads=2, max_nodes=5), ch)
+    rollout.Speculation.of_heads(ch, SpecConfig())
+  prop = rollout.Speculation.of_heads(ch, SpecConfig(num_heads=2, max_nodes=5)).proposer
   assert (prop.num_heads, prop.topk, prop.beams, prop.max_nodes) == (2, (4, 3), (1, 2), 5)
   with pytest.raises(ValueError, match="acceptance has shape"):
     RankedHeads(num_heads=2, topk=(2, 2), beams=(1, 1)).validate(
@@ -129,8 +129,8 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
     if pp is None:  # a calibrated table from the previous rollout's counts
       cal = cal.update(got.stats.spec.proposer)  # noqa: F821 (set in the previous iteration)
       pp = mg.params(ch, cal.table())
-    got = rollout.generate(config, params, prompts, spec=spec, proposer=prop, proposer_params=pp,
-                           **kw)
+    got = rollout.generate(config, params, prompts,
+                           speculation=rollout.Speculation(prop, pp, spec), **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
     st = got.stats.spec.proposer
@@ -140,11 +140,12 @@ def test_ranked_proposers_equal_vanilla(trained_model, gsm8k_prompts, fitted, cf
     assert e[0] == 0 and (np.diff(e) >= -1e-6).all()  # more nodes: more expected acceptance
     if prop is rh and pp is not None and pp.heads is ch:
       explicit = got
-  # generate's heads= shorthand with root-conditioned heads is that RankedHeads proposer: the same
+  # Speculation.of_heads with root-conditioned heads is that RankedHeads proposer: the same
   # proposer (one compiled program), the same tokens and the same proposals
-  spec_, prop_, pp_ = rollout.resolve_proposer(spec, ch, None, None)
-  assert prop_ == rh and jax.tree.structure(pp_) == jax.tree.structure(rh.params(ch))
-  short = rollout.generate(config, params, prompts, spec=spec, heads=ch, **kw)
+  short_spec = rollout.Speculation.of_heads(ch, spec)
+  assert short_spec.proposer == rh and short_spec.spec == spec
+  assert jax.tree.structure(short_spec.params) == jax.tree.structure(rh.params(ch))
+  short = rollout.generate(config, params, prompts, speculation=short_spec, **kw)
   np.testing.assert_array_equal(np.asarray(short.tokens), np.asarray(ref.tokens))
   for f in ("tested", "hit"):
     np.testing.assert_array_equal(np.asarray(getattr(short.stats.spec.proposer, f)),
@@ -265,40 +266,44 @@ def test_slow_path_refresh_of_root_conditioned_heads(trained_model, rollouts):
     assert _slices_equal(back, heads, k) and _slices_equal(back_opt, opt, k), k
 
 
-@pytest.mark.slow  # about 20 s
+@pytest.mark.slow  # about 35 s (the warm-up compiles Reflex awake and asleep)
 def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_prompts, fitted):
-  """Reflex and the every-batch slow path over root-conditioned heads keep the vanilla tokens,
-  and each batch's refresh did what it reports: its held-out CE / TV are ``slow_path.evaluate``'s
-  on the reservoir it read, before and after; it kept exactly the heads the keep rule passes
-  (CE <= 1.01 x before and TV lower; no held-out records: rolled back); a kept head changed and
-  fits the records it trained on better (CE and TV lower there); a rolled-back or untouched
-  head, and its optimiser state, are bit-identical to before; the counters add up. Over the two
-  batches at least one head is kept and one rolled back."""
-  from specroll_jax import adaptation
+  """A SpecRoll with Reflex awake and the every-batch slow path over root-conditioned heads keeps
+  the vanilla tokens, and each batch's refresh did what it reports: its held-out CE / TV are
+  ``slow_path.evaluate``'s on the reservoir it read, before and after; it kept exactly the heads
+  the keep rule passes (CE <= 1.01 x before and TV lower; no held-out records: rolled back); a
+  kept head changed and fits the records it trained on better (CE and TV lower there); a
+  rolled-back or untouched head, and its optimiser state, are bit-identical to before; the
+  counters add up. Over the two batches at least one head is kept and one rolled back."""
+  from specroll_jax import SpecRoll
+  from specroll_jax.reflex import ReflexConfig
   from specroll_jax.slow_path import SlowPathConfig
   config, params, tok = trained_model
   ch, _ = fitted
-  prompts = [p for p in gsm8k_prompts[:4] for _ in range(G)]
   cfg = SamplingConfig(temperature=0.7, top_p=0.9)
-  kw = dict(sampling=cfg, max_new_tokens=40, seed=8, sample_ids=np.arange(16),
-            eos_ids=list(tok.eos_ids) + tok.encode(" number"))
-  ref = rollout.generate(config, params, prompts, **kw)
-  acfg = adaptation.AdaptationConfig(
-      slow=SlowPathConfig.for_tests(mode="every_batch", learning_rate=1e-3)).for_sampling(cfg)
-  state = adaptation.init(acfg, ch)
-  assert state.config.reflex.conditioned  # follows the heads' family
-  spec = SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(4, 4))
-  scfg = state.config.slow
+  eos = tuple(tok.eos_ids) + tuple(tok.encode(" number"))
+  sr = SpecRoll(config, max_new_tokens=40, sampling=cfg, group_size=G, eos_ids=eos,
+                reflex=ReflexConfig(record_capacity=0),  # awake every batch (no sleep)
+                slow=SlowPathConfig.for_tests(mode="every_batch", learning_rate=1e-3),
+                spec=SpecConfig(bucket_fractions=(1.0,), nodes=(4,)), budget="fixed")
+  batch = sr.batch(gsm8k_prompts[:4], np.arange(4))
+  assert batch.sample_ids.tolist() == list(range(16))
+  ref = rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
+                         sampling=cfg, max_new_tokens=40, seed=8, sample_ids=batch.sample_ids,
+                         eos_ids=list(eos),
+                         options=rollout.DecodeOptions(cache_length=batch.rows.cache_length))
+  state = sr.init(ch)
+  assert sr.has_reflex(state) and sr.reflex.conditioned  # Reflex on root-conditioned heads
+  scfg = sr.slow
   kept, rolled_back = [], []
   for _ in range(2):
-    got = rollout.generate(config, params, prompts, spec=spec, adaptation=state, **kw)
+    got, rep, new = sr.generate(params, batch, state, seed=8)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
-    rep = got.adaptation_report
-    assert rep.reflex.records_matured[0] > 0
+    assert rep.reflex == "awake" and rep.records[0] > 0
+    assert int(np.asarray(got.stats.spec.proposer.reflex.matured)[0]) > 0  # Reflex's own records
     slow = rep.slow
     assert slow.decision == "every_batch"
-    new = got.adaptation
     # the refresh read the reservoir with this batch's records merged in (it does not change it)
     ev_cfg = scfg.refresh_settings()
     held0, train0 = jax.device_get(_held_out_and_train(ev_cfg, config, params, state.heads,

@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from app import draft_quality
 from pallas_kernels import fused_sampler as fs
 from specroll_jax import cond_heads as CH
-from specroll_jax import draft_quality, rollout, sampling, tree
+from specroll_jax import rollout, sampling, tree
 from specroll_jax.proposers import HeadsProposer, ProposeInput, RankedHeads, Target
 from specroll_jax.sampling import SamplingConfig
 

@@ -1,22 +1,28 @@
 """docs/custom_proposer.md runs as written (its python blocks, in order: a proposer written against
-``proposers.Proposer`` gives vanilla's tokens), and the engine's trace-time contract checks
-(``proposers.contract``) refuse a broken proposer with a ValueError naming the proposer, the
-method and the field. The broken proposers fail while tracing, before anything compiles."""
+``proposers.Proposer`` gives plain decoding's tokens through ``SpecRoll``, through the engine
+inside a caller's ``jax.jit`` and through ``rollout.generate(speculation=...)``), and what it says
+holds (at T = 1; a ranked proposer is calibrated by ``SpecRoll``). The engine's trace-time
+contract checks (``proposers.contract``) refuse a broken proposer with a ValueError naming the
+proposer, the method and the field; the broken proposers fail while tracing, before anything
+compiles."""
 
 import dataclasses
 import re
+import warnings
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from specroll_jax import rollout
+from specroll_jax import SpecRoll, rollout
 from specroll_jax import tree as T
-from specroll_jax.proposers import Proposer
-from specroll_jax.rollout import SpecConfig
+from specroll_jax.proposers import GroupLookup, Proposer
+from specroll_jax.rollout import SpecConfig, Speculation
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_proposer.md"
+ONE_BUCKET = SpecConfig(bucket_fractions=(1.0,))
 
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
@@ -25,13 +31,68 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
           for m in re.finditer(r"^```python\n(.*?)^```", text, flags=re.M | re.S)]
 
 
-def test_doc_code_runs():
+@pytest.fixture(scope="module")
+def doc():
+  """The namespace after the doc's python blocks ran, in order, with every DeprecationWarning an
+  error (the doc teaches no keyword on its way out)."""
   blocks = python_blocks(DOC.read_text())
-  assert len(blocks) >= 2
+  assert len(blocks) >= 3
   ns = {"__name__": "custom_proposer_doc"}
-  for line, src in blocks:  # padded so that a traceback names the markdown line
-    exec(compile("\n" * (line - 1) + src, str(DOC), "exec"), ns)
-  assert ns["spec"].stats.tokens_per_forward > 1.5
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", DeprecationWarning)
+    for line, src in blocks:  # padded so that a traceback names the markdown line
+      exec(compile("\n" * (line - 1) + src, str(DOC), "exec"), ns)
+  return ns
+
+
+def test_doc_code_runs(doc):
+  out, report, plain, fast, ref = (doc[k] for k in ("out", "report", "plain", "fast", "ref"))
+  assert report.mode == "speculative" and report.tau > 1.5  # SpecRoll verified trees
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+  assert int(out.stats.spec.proposer.accepted) > 0  # the proposer's statistics came back
+  assert fast.stats.tokens_per_forward > 1.5  # the engine in the caller's jit: trees accepted
+  np.testing.assert_array_equal(np.asarray(fast.tokens), np.asarray(ref.tokens))
+  np.testing.assert_array_equal(np.asarray(doc["once"].tokens), np.asarray(fast.tokens))
+
+
+def test_doc_proposer_at_temperature_one(doc):
+  """The doc's proposer through SpecRoll at T = 1 (GRPO's sampling, G = 4): plain decoding's
+  tokens, whatever it guesses."""
+  config, params, prompts = doc["config"], doc["params"], doc["prompts"]
+  sampling = rollout.SamplingConfig(temperature=1.0)
+  sr = SpecRoll(config, proposer=doc["LastBigram"](), sampling=sampling, group_size=4,
+                max_new_tokens=16, budget="fixed", spec=ONE_BUCKET)
+  batch = sr.batch(prompts, np.array([7, 3, 11]))
+  out, report, _ = sr.generate(params, batch, sr.init(proposer_params=()), seed=5)
+  plain = rollout.generate(config, params, [p for p in prompts for _ in range(4)],
+                           sampling=sampling, max_new_tokens=16, sample_ids=batch.sample_ids,
+                           seed=5, options=rollout.DecodeOptions(bucket_fractions=(1.0,)))
+  assert report.mode == "speculative"
+  np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(plain.tokens))
+  np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(plain.lengths))
+
+
+def test_ranked_proposer_is_calibrated(doc):
+  """What the doc says of a ranked proposer given to SpecRoll: its table starts at
+  ``default_acceptance()``, a batch's ``TreeStats`` update it, the next batch's parameters carry
+  it in their ``acceptance`` field, and the expected acceptance goodput weighs is measured."""
+  config, params, prompts = doc["config"], doc["params"], doc["prompts"]
+  gl = GroupLookup(group_size=2)
+  sr = SpecRoll(config, proposer=gl, sampling=doc["sampling"], group_size=2, max_new_tokens=24,
+                budget="fixed", spec=ONE_BUCKET)
+  state = sr.init(proposer_params=gl.context())
+  np.testing.assert_allclose(np.asarray(state.calibration.table()),
+                             gl.default_acceptance().reshape(-1), rtol=1e-6)
+  batch = sr.batch(prompts, np.arange(3))
+  _, report, state = sr.generate(params, batch, state, seed=0)
+  assert report.mode == "speculative"
+  assert float(np.asarray(state.calibration.tested).sum()) > 0  # the batch's counts went in
+  assert np.asarray(state.expected)[1:].any()  # what goodput weighs
+  table = np.asarray(state.calibration.table())
+  assert not np.allclose(table, gl.default_acceptance().reshape(-1))
+  plan = sr.plan(state, batch)
+  pp = sr.proposer_params(state, batch, plan)
+  np.testing.assert_array_equal(np.asarray(pp.acceptance), table.reshape(gl.acceptance_shape))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,8 +207,7 @@ def test_contract_violation_names_proposer_and_field(random_model, proposer, mes
   config, params = random_model
   with pytest.raises(ValueError, match=message):
     rollout.generate(config, params, [[1, 2, 3, 4, 5], [7, 8, 9]], max_new_tokens=8,
-                     proposer=proposer, proposer_params=(),
-                     spec=SpecConfig(bucket_fractions=(1.0,)))
+                     speculation=Speculation(proposer, (), ONE_BUCKET))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,7 +249,6 @@ class Oracle(Proposer):
 
 
 def test_trees_breaking_the_rules_still_give_the_vanilla_tokens(random_model):
-  import numpy as np
   config, params = random_model
   prompts = [[1, 2, 3, 4, 5], [7, 8, 9], [11, 12, 13, 14], [20, 21]]
   kw = dict(max_new_tokens=12, seed=3, sampling=rollout.SamplingConfig(temperature=1.0))
@@ -200,9 +259,9 @@ def test_trees_breaking_the_rules_still_give_the_vanilla_tokens(random_model):
     seq[i, : len(full)] = full
   taus = {}
   for i, mode in enumerate(MODES):
-    got = rollout.generate(config, params, prompts, proposer=Oracle(),
-                           proposer_params=(jnp.asarray(seq), jnp.int32(i)),
-                           spec=SpecConfig(node_budget=12, bucket_fractions=(1.0,)), **kw)
+    oracle = Speculation(Oracle(), (jnp.asarray(seq), jnp.int32(i)),
+                         SpecConfig(node_budget=12, bucket_fractions=(1.0,)))
+    got = rollout.generate(config, params, prompts, speculation=oracle, **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens), err_msg=mode)
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths), err_msg=mode)
     taus[mode] = got.stats.tokens_per_forward

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import engines, rollout
+from specroll_jax import engines, executables, rollout
 from specroll_jax import heads as H
 from specroll_jax.proposers import HeadsProposer
 from specroll_jax.sampling import SamplingConfig
@@ -31,7 +31,8 @@ def setup(random_model):
                                   spec=SPEC, kernels="reference")
   heads = H.init(jax.random.key(1), config, 3, scale=0.05)
   ref = rollout.generate(config, params, PROMPTS, sampling=SAMPLING, max_new_tokens=NEW, seed=7,
-                         eos_ids=[], sample_ids=np.arange(4) * 5, kernels="reference")
+                         eos_ids=[], sample_ids=np.arange(4) * 5,
+                         options=rollout.DecodeOptions(kernels="reference"))
   return config, params, heads, batch, van, spec, ref
 
 
@@ -57,11 +58,12 @@ def test_engine_inside_a_user_jit_and_one_compile_per_equal_engine(setup):
 
   np.testing.assert_array_equal(np.asarray(reward(params, batch)),
                                 (np.asarray(ref.tokens) % 2 == 0).sum(1))
-  before = engines._vanilla_call._cache_size()
+  van.jit(params, batch)
+  before = executables.programs()
   twin = engines.VanillaEngine(config, van.settings)  # equal settings: equal, same hash
   assert twin == van and hash(twin) == hash(van)
   twin.jit(params, batch)
-  assert engines._vanilla_call._cache_size() == before
+  assert executables.programs() == before
 
 
 def test_prompt_batch_is_a_pytree_and_checks_the_seed(setup):

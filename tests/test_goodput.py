@@ -124,9 +124,9 @@ def test_zero_nodes_verify_nothing_and_measured_cost_is_cached(trained_model, gs
             eos_ids=tok.eos_ids)
   ref = rollout.generate(config, params, prompts, **kw)
   gl = GroupLookup()
-  got = rollout.generate(config, params, prompts, spec=SpecConfig(bucket_fractions=(1.0, 0.5),
-                                                                  nodes=(0, 0)),
-                         proposer=gl, proposer_params=gl.context(), **kw)
+  spec = SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(0, 0))
+  got = rollout.generate(config, params, prompts,
+                         speculation=rollout.Speculation(gl, gl.context(), spec), **kw)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
   assert int(got.stats.spec.nodes_verified) == 0
   pb = rollout.prepare_batch(config, prompts, max_new_tokens=24)
@@ -190,8 +190,8 @@ def test_gated_steps_run_the_plain_step_exactly(trained_model, gsm8k_prompts):
   runs = {}
   for gate in (0.0, 1e9):
     spec = SpecConfig(bucket_fractions=(1.0, 0.5), nodes=(3, 3), gate=(gate, gate))
-    got = rollout.generate(config, params, prompts, spec=spec, proposer=gl,
-                           proposer_params=gl.context(), **kw)
+    got = rollout.generate(config, params, prompts,
+                           speculation=rollout.Speculation(gl, gl.context(), spec), **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
     runs[gate] = got.stats

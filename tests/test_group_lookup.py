@@ -10,6 +10,7 @@ import pytest
 from conftest import LONG
 
 from specroll_jax import rollout
+from specroll_jax import store as S
 from specroll_jax.proposers.group_lookup import (
   PRIOR,
   SIBLING,
@@ -19,7 +20,6 @@ from specroll_jax.proposers.group_lookup import (
   sibling_table,
 )
 from specroll_jax.rollout import SamplingConfig, SpecConfig
-from specroll_jax.store import ResponseStore
 
 G, P, M = 4, 4, 40  # group size, prompts, new tokens
 SPEC = SpecConfig(bucket_fractions=(1.0, 0.5, 0.25), nodes=(4, 4, 4))
@@ -98,18 +98,18 @@ def test_group_lookup_equals_vanilla(trained_model, batch, cfg):
   # earlier responses: another seed's responses of the same prompt, the row's own future text
   # (must still be verified) and a corrupted copy of it (must be rejected where it differs)
   other = rollout.generate(config, params, prompts, **{**kw, "seed": 7})
-  store = ResponseStore(vocab_size=config.vocab_size, per_prompt=3, max_tokens=M)
+  store = S.store_init(vocab_size=config.vocab_size, prompts=P, per_prompt=3, max_tokens=M)
   toks = np.asarray(ref.tokens)
   bad = toks.copy()
   bad[:, 3::5] = (bad[:, 3::5] + 1) % config.vocab_size
   for resp, ln in ((np.asarray(other.tokens), np.asarray(other.lengths)), (bad, lens),
                    (toks, lens)):
     for r in range(P * G):
-      store.add([prompt_of[r]], [prompts[r]], resp[r:r + 1], ln[r:r + 1])
-  prior = store.context(prompt_of, prompts, vocab_size=config.vocab_size)
+      store = S.store_add(store, [prompt_of[r]], [prompts[r]], resp[r:r + 1], ln[r:r + 1])
+  prior = S.store_context(store, prompt_of, prompts, vocab_size=config.vocab_size)
   gl = GroupLookup(group_size=G, max_chain=4)
-  got = rollout.generate(config, params, prompts, spec=SPEC, proposer=gl,
-                         proposer_params=gl.context(prior=prior), **kw)
+  got = rollout.generate(config, params, prompts,
+                         speculation=rollout.Speculation(gl, gl.context(prior=prior), SPEC), **kw)
   np.testing.assert_array_equal(np.asarray(got.lengths), lens)
   np.testing.assert_array_equal(np.asarray(got.tokens), toks)
   np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
@@ -126,58 +126,58 @@ def test_lookup_bad_input(trained_model, batch):
   config, params, tok = trained_model
   prompts, sids, prompt_of = batch
   gl = GroupLookup(group_size=G)
-  kw = dict(max_new_tokens=8, sample_ids=sids, spec=SPEC, proposer=gl)
+  kw = dict(max_new_tokens=8, sample_ids=sids)
+
+  def with_context(ctx) -> rollout.Speculation:
+    return rollout.Speculation(gl, ctx, SPEC)
+
   with pytest.raises(ValueError, match=r"group_ids must have shape \(16,\)"):
-    rollout.generate(config, params, prompts, proposer_params=gl.context(group_ids=np.arange(3)),
-                     **kw)
+    rollout.generate(config, params, prompts,
+                     speculation=with_context(gl.context(group_ids=np.arange(3))), **kw)
   gids = prompt_of.copy()
   j = int(np.flatnonzero(prompt_of != prompt_of[0])[0])
   gids[0], gids[j] = gids[j], gids[0]  # same group sizes, mixed prompts
   with pytest.raises(ValueError, match="share group id .* but not a prompt"):
-    rollout.generate(config, params, prompts, proposer_params=gl.context(group_ids=gids), **kw)
+    rollout.generate(config, params, prompts, speculation=with_context(gl.context(group_ids=gids)),
+                     **kw)
   with pytest.raises(ValueError, match="share group id"):  # sample ids that break the G rule
     rollout.generate(config, params, prompts, **{**kw, "sample_ids": np.arange(P * G)},
-                     proposer_params=gl.context())
+                     speculation=with_context(gl.context()))
   with pytest.raises(ValueError, match="prior holds ids outside"):
-    rollout.generate(config, params, prompts,
-                     proposer_params=gl.context(prior=np.full((16, 1, 4), config.vocab_size)),
-                     **kw)
+    rollout.generate(config, params, prompts, speculation=with_context(
+        gl.context(prior=np.full((16, 1, 4), config.vocab_size))), **kw)
   with pytest.raises(ValueError, match="prior has 2 rows, the batch 16"):
-    rollout.generate(config, params, prompts, proposer_params=gl.context(
-        prior=np.zeros((2, 1, 4), np.int32)), **kw)
+    rollout.generate(config, params, prompts, speculation=with_context(gl.context(
+        prior=np.zeros((2, 1, 4), np.int32))), **kw)
   with pytest.raises(ValueError, match="acceptance has shape"):
-    rollout.generate(config, params, prompts, proposer_params=gl.context(
-        acceptance=np.zeros((3, 2, 2))), **kw)
+    rollout.generate(config, params, prompts, speculation=with_context(gl.context(
+        acceptance=np.zeros((3, 2, 2)))), **kw)
   with pytest.raises(ValueError, match="group 1 spans shards"):
     check_groups_on_shards(np.array([0, 0, 1, 1, 1, 2, 2, 2]), 2)
   check_groups_on_shards(np.array([0, 0, 1, 1, 2, 2, 3, 3]), 2)
 
 
-def test_response_store_bounded_checkpointable_and_checked(tmp_path):
-  st = ResponseStore(vocab_size=10, per_prompt=2, max_tokens=3, max_prompts=2)
+def test_response_store_bounded_and_checked():
+  st = S.store_init(vocab_size=10, per_prompt=2, max_tokens=3, prompts=2)
   p = {0: [1, 2], 1: [3], 2: [4, 4]}
-  st.add([0, 0, 1], [p[0], p[0], p[1]], np.array([[1, 2, 3, 4], [5, 6, 0, 0], [7, 0, 0, 0]]),
-         np.array([4, 2, 1]))
-  st.add([0], [p[0]], np.array([[9, 9, 9, 9]]), np.array([2]))
+  st = S.store_add(st, [0, 0, 1], [p[0], p[0], p[1]],
+                   np.array([[1, 2, 3, 4], [5, 6, 0, 0], [7, 0, 0, 0]]), np.array([4, 2, 1]))
+  st = S.store_add(st, [0], [p[0]], np.array([[9, 9, 9, 9]]), np.array([2]))
   assert [r.tolist() for r in st.responses(0)] == [[5, 6], [9, 9]]  # last 2, cut to 3 tokens
-  ctx = st.context([0, 1, 0], [p[0], p[1], p[0]], vocab_size=10)
+  ctx = S.store_context(st, [0, 1, 0], [p[0], p[1], p[0]], vocab_size=10)
   assert ctx.shape == (3, 2, 3)
   np.testing.assert_array_equal(ctx[0], [[9, 9, -1], [5, 6, -1]])  # newest first
   np.testing.assert_array_equal(ctx[1], [[7, -1, -1], [-1, -1, -1]])
-  st.add([2], [p[2]], np.array([[1, 1]]), np.array([2]))  # a third prompt evicts the oldest
+  st = S.store_add(st, [2], [p[2]], np.array([[1, 1]]), np.array([2]))  # evicts the oldest
   assert len(st) == 2 and st.responses(1) == [] and len(st.responses(2)) == 1
-  st.save(tmp_path / "store.npz")
-  back = ResponseStore.load(tmp_path / "store.npz")
-  for pid in (0, 2):
-    assert [r.tolist() for r in back.responses(pid)] == [r.tolist() for r in st.responses(pid)]
   with pytest.raises(ValueError, match="vocabulary; the model has vocab_size=11"):
-    st.context([0], [p[0]], vocab_size=11)
+    S.store_context(st, [0], [p[0]], vocab_size=11)
   with pytest.raises(ValueError, match="prompt id 0 is stored with other prompt tokens"):
-    back.context([0], [[8, 8]], vocab_size=10)
+    S.store_context(st, [0], [[8, 8]], vocab_size=10)
   with pytest.raises(ValueError, match=r"tokens outside \[0, vocab_size=10\)"):
-    st.add([5], [[1]], np.array([[10]]), np.array([1]))
+    S.store_add(st, [5], [[1]], np.array([[10]]), np.array([1]))
   with pytest.raises(ValueError, match="per_prompt must be an int >= 1"):
-    ResponseStore(vocab_size=10, per_prompt=0)
+    S.store_init(vocab_size=10, per_prompt=0, prompts=1, max_tokens=1)
 
 
 def test_row_context_is_detected_for_the_on_device_step():

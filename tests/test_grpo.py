@@ -308,7 +308,7 @@ def test_group_sample_ids_rule_numpy_jnp_and_traced():
   """The sample-id rule, written once: member i of global prompt p has id p * G + i, rows in
   prompt-major order, the same from numpy, jnp and inside jit (the loop, pipeline and on-device
   step all call it)."""
-  from specroll_jax import pipeline
+  from app import pipeline
   from specroll_jax.sampling import group_sample_ids
   want = np.array([21, 22, 23, 27, 28, 29])
   np.testing.assert_array_equal(group_sample_ids(np.array([7, 9]), 3), want)

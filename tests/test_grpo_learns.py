@@ -5,9 +5,10 @@ fails if the advantage's sign flips anywhere between the reward and the update).
 import numpy as np
 import pytest
 
-from specroll_jax import pipeline, rewards, rollout
+from app import pipeline
+from app.tasks import Task
+from specroll_jax import rewards, rollout
 from specroll_jax.data import gsm8k
-from specroll_jax.data.tasks import Task
 from specroll_jax.grpo import Batch, GRPOConfig, init_train_state, make_train_step
 
 P, G, NEW, STEPS = 4, 8, 32, 10
@@ -28,7 +29,7 @@ def setup():
   def sample(params, seed):
     return rollout.generate(config, params, toks, prompt_lengths=lens, sampling=SAMPLING,
                             max_new_tokens=NEW, sample_ids=sids, seed=seed, eos_ids=tok.eos_ids,
-                            cache_length=toks.shape[1] + NEW)
+                            options=rollout.DecodeOptions(cache_length=toks.shape[1] + NEW))
 
   def correct(out):
     o, n = np.asarray(out.tokens), np.asarray(out.lengths)

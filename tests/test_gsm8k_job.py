@@ -98,7 +98,7 @@ def _records(path):
 
 
 def _final_params(out):
-  from specroll_jax.checkpoint import Checkpointer
+  from app.checkpoint import Checkpointer
   ck = Checkpointer(out / "specroll" / "checkpoints", async_save=False)
   meta = ck.restore_meta()
   import orbax.checkpoint as ocp

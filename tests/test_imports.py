@@ -1,19 +1,21 @@
-"""Imports flow one way: ``pallas_kernels`` never imports ``specroll_jax``, and no module of either
-package takes part in an import cycle, counting imports inside functions too (static AST scan);
+"""Imports flow one way: ``pallas_kernels`` never imports ``specroll_jax``, the library never
+imports the experiments' app package (``experiments/app``, imported as ``app``), and no module of
+the three takes part in an import cycle, counting imports inside functions too (static AST scan);
 imports under ``if TYPE_CHECKING:`` never run and are not counted."""
 
 import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("specroll_jax", "pallas_kernels")
+# package -> the folder its top level is imported from
+PACKAGES = {"specroll_jax": ROOT, "pallas_kernels": ROOT, "app": ROOT / "experiments"}
 
 
 def _modules() -> dict[str, Path]:
   mods = {}
-  for pkg in PACKAGES:
-    for f in (ROOT / pkg).rglob("*.py"):
-      parts = f.relative_to(ROOT).with_suffix("").parts
+  for pkg, base in PACKAGES.items():
+    for f in (base / pkg).rglob("*.py"):
+      parts = f.relative_to(base).with_suffix("").parts
       if parts[-1] == "__init__":
         parts = parts[:-1]
       mods[".".join(parts)] = f
@@ -103,10 +105,19 @@ def test_graph_sees_imports_inside_functions():
   assert len(g) > 20 and sum(map(len, g.values())) > 40
 
 
-def test_graph_skips_type_checking_imports():
-  g = import_graph()  # results.py names the adaptation and report types for annotations only
-  assert "specroll_jax.adaptation" not in g["specroll_jax.results"]
-  assert "from specroll_jax.adaptation import" in (ROOT / "specroll_jax/results.py").read_text()
+def test_graph_skips_type_checking_imports(tmp_path, monkeypatch):
+  """A module naming a higher one's type for annotations only (under ``if TYPE_CHECKING:``) does
+  not depend on it, so the two make no cycle."""
+  pkg = tmp_path / "pkg"
+  pkg.mkdir()
+  (pkg / "__init__.py").write_text("")
+  (pkg / "low.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                              "  from pkg.high import Report\n")
+  (pkg / "high.py").write_text("from pkg import low\n")
+  monkeypatch.setitem(globals(), "PACKAGES", {"pkg": tmp_path})
+  g = import_graph()
+  assert g["pkg.low"] == set() and "pkg.low" in g["pkg.high"]
+  assert find_cycle(g) is None
 
 
 def test_pallas_kernels_import_nothing_from_the_library():
@@ -114,6 +125,33 @@ def test_pallas_kernels_import_nothing_from_the_library():
   bad = {m: sorted(d for d in deps if d.startswith("specroll_jax"))
          for m, deps in g.items() if m.startswith("pallas_kernels")}
   assert not any(bad.values()), bad
+
+
+def test_library_imports_nothing_from_the_app():
+  g = import_graph()
+  assert "app.trainer" in g["app.loop"] and "specroll_jax.rollout" in g["app.loop"]
+  bad = {m: sorted(d for d in deps if d.split(".")[0] == "app")
+         for m, deps in g.items() if not m.startswith("app")}
+  assert not any(bad.values()), bad
+
+
+def test_the_moved_modules_are_gone_from_the_library():
+  """The experiments' glue lives in ``experiments/app`` only (no copy left behind to drift)."""
+  g = import_graph()
+  for name in ("cli", "pipeline", "sft", "traces", "checkpoint", "grpo.loop", "grpo.trainer",
+               "models.widen", "data.synthetic", "data.synthetic_templates", "data.tasks"):
+    assert f"specroll_jax.{name}" not in g, name
+    assert f"app.{name.rpartition('.')[2]}" in g, name
+
+
+def test_replaced_modules_are_gone():
+  """Adaptation is ``SpecRoll``'s (``specroll_jax.specroll``: its state, fold and report modules):
+  the old adaptation module and the flat SpecRoll modules are deleted, not kept as shims."""
+  g = import_graph()
+  for name in ("adaptation", "reports", "specroll_state", "specroll_fold"):
+    assert f"specroll_jax.{name}" not in g, name
+  for name in ("core", "state", "fold", "programs", "report"):
+    assert f"specroll_jax.specroll.{name}" in g, name
 
 
 def test_no_import_cycles():

@@ -398,8 +398,11 @@ def test_engine_with_kernels_equals_references(random_model, temperature):
   cfg = rollout.SamplingConfig(temperature=temperature)
   spec = rollout.SpecConfig(node_budget=16, bucket_fractions=(1.0,))
   kw = dict(sampling=cfg, max_new_tokens=8, seed=3, eos_ids=[])
-  ref = rollout.generate(config, params, prompts, kernels="reference", **kw)
-  for spec_kw in ({}, {"spec": spec, "heads": hd}):
-    got = rollout.generate(config, params, prompts, kernels="pallas_interpret", **spec_kw, **kw)
+  ref = rollout.generate(config, params, prompts,
+                         options=rollout.DecodeOptions(kernels="reference"), **kw)
+  pallas = rollout.DecodeOptions(kernels="pallas_interpret")
+  for speculation in (None, rollout.Speculation.of_heads(hd, spec)):
+    got = rollout.generate(config, params, prompts, options=pallas, speculation=speculation,
+                           **kw)
     np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
     np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)

@@ -1,4 +1,4 @@
-"""The layer scan (``decoder.LayerLoop``) computes what the unrolled layers compute: the same
+"""The layer scan (``layer_loop.LayerLoop``) computes what the unrolled layers compute: the same
 logits, hidden states and K/V from ``forward`` / ``step`` / ``prefill`` / ``append_step``
 (stacked and per-layer caches alike), the same rollout tokens from both engines, and the scanned
 decode step writes its carried cache in place."""
@@ -12,12 +12,12 @@ import pytest
 
 from specroll_jax import engines, rollout
 from specroll_jax import heads as H
-from specroll_jax.models import decoder
+from specroll_jax.models import decoder, layer_loop
 from specroll_jax.proposers import HeadsProposer
 from specroll_jax.sampling import SamplingConfig
 
-UNROLL = decoder.LayerLoop(full="unroll", cached="unroll")
-SCAN = decoder.LayerLoop(full="scan", cached="scan")
+UNROLL = layer_loop.LayerLoop(full="unroll", cached="unroll")
+SCAN = layer_loop.LayerLoop(full="scan", cached="scan")
 # Same ops, but XLA fuses the scan body and the unrolled layers differently (rope products may
 # become FMAs in one and not the other): values agree to float rounding, not bit for bit.
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -67,21 +67,21 @@ def _decode(model, loop):
     out["stacked"] = jnp.asarray(cache.is_stacked)
     return out
 
-  with decoder.layer_loop(loop):
+  with layer_loop.layer_loop(loop):
     return jax.device_get(jax.jit(run)(params))
 
 
 def test_layer_loop_policy_and_bad_names(model):
   config = model[0]
-  before = decoder.layer_loop_policy()
-  with decoder.layer_loop("scan") as p:
-    assert p == SCAN == decoder.layer_loop_policy()
+  before = layer_loop.layer_loop_policy()
+  with layer_loop.layer_loop("scan") as p:
+    assert p == SCAN == layer_loop.layer_loop_policy()
     assert decoder.init_cache(config, 2, 8).is_stacked
-  assert decoder.layer_loop_policy() == before
+  assert layer_loop.layer_loop_policy() == before
   with pytest.raises(ValueError, match=r"LayerLoop.full must be one of .*'unrolled'"):
-    decoder.LayerLoop(full="unrolled")
+    layer_loop.LayerLoop(full="unrolled")
   with pytest.raises(ValueError, match=r"layer loop must be one of .*'both'"):
-    decoder.LayerLoop.resolve("both")
+    layer_loop.LayerLoop.resolve("both")
   with pytest.raises(ValueError, match=r"layout must be one of .*'stacked'"):
     decoder.init_cache(config, 2, 8, layout="stacked")
 
@@ -97,7 +97,7 @@ def test_scan_gives_the_unrolled_outputs(model):
 
 def test_stacked_cache_rows_and_writes(model):
   c = model[0]
-  with decoder.layer_loop("scan"):
+  with layer_loop.layer_loop("scan"):
     cache = decoder.init_cache(c, 3, 5)
   per_layer = decoder.init_cache(c, 3, 5, layout="unroll")
   assert cache.k.shape == (3, c.num_layers, 5, c.num_kv_heads, c.head_dim)
@@ -129,9 +129,9 @@ def test_speculative_rollout_under_scan_gives_the_unrolled_vanilla_tokens(model)
   spec = engines.SpecEngine.build(config, proposer=HeadsProposer(), spec=rollout.SpecConfig(
       bucket_fractions=(1.0, 0.5), nodes=(2, 0)), **kw)
   heads = H.init(jax.random.key(4), config, 3, scale=0.05)
-  with decoder.layer_loop(UNROLL):
+  with layer_loop.layer_loop(UNROLL):
     ref = jax.jit(lambda p, b: van(_perturbed(p), b))(params, batch)
-  with decoder.layer_loop(SCAN):
+  with layer_loop.layer_loop(SCAN):
     out = jax.jit(lambda p, h, b: spec(_perturbed(p), h, b))(params, heads, batch)
   np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
   np.testing.assert_array_equal(np.asarray(out.lengths), np.asarray(ref.lengths))
@@ -142,7 +142,7 @@ def test_scanned_decode_updates_the_carried_cache_in_place(model):
   config, params = model
   """The scan body writes the new K/V into the stacked cache it carries before reading the layer
   (read-then-write made XLA copy the whole cache in every layer of every step)."""
-  with decoder.layer_loop("scan"):
+  with layer_loop.layer_loop("scan"):
     cache = decoder.init_cache(config, 4, 32)
 
     def loop(params, cache):

@@ -23,7 +23,7 @@ _SETUP = textwrap.dedent("""
     from specroll_jax.kernels import Kernels
     from specroll_jax.mesh import ModelMesh, gathers_weights, collectives, make_mesh
     from specroll_jax.models.tokenizer import Tokenizer
-    from specroll_jax.models.widen import WideShape, widen
+    from app.widen import WideShape, widen
     from specroll_jax.sampling import SamplingConfig
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     assert jax.device_count() == 4, jax.devices()
@@ -151,7 +151,7 @@ _SLOW = _SETUP + textwrap.dedent("""
       toks, compiled, taus = [], [], []
       for i in range(2):
         n0 = exe.programs()
-        out, st = sr.generate(p, b, st, seed=i)
+        out, _, st = sr.generate(p, b, st, seed=i)
         toks.append(np.asarray(out.tokens))
         compiled.append(exe.programs() - n0)
         taus.append(float(out.stats.tokens_per_forward))
@@ -172,7 +172,7 @@ _SLOW = _SETUP + textwrap.dedent("""
     for p, mesh in ((wp, None), (placed["1x4"], meshes["1x4"])):
       sr0 = SpecRoll(wc, sampling=SamplingConfig(temperature=0.0), group_size=4,
                      max_new_tokens=M, mesh=mesh, kernels="reference", budget="fixed")
-      out, _ = sr0.generate(p, sr0.batch(prompts[2:4], [2, 3]), sr0.init(wh), seed=0)
+      out, _, _ = sr0.generate(p, sr0.batch(prompts[2:4], [2, 3]), sr0.init(wh), seed=0)
       outs.append((np.asarray(out.tokens), float(out.stats.tokens_per_forward)))
     res["T0_model4"] = {"equal": bool((outs[0][0] == outs[1][0]).all()), "tau": outs[1][1]}
     # the Pallas kernels (interpret mode, per shard) in the vanilla engine on data 2 x model 2

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import xla_flags
+from conftest import PYTHONPATH, xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,7 +39,7 @@ _WORKER = textwrap.dedent("""
     import jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from specroll_jax import grpo, models, rollout
-    from specroll_jax.checkpoint import Checkpointer
+    from app.checkpoint import Checkpointer
     from specroll_jax.sampling import SamplingConfig
 
     config = models.ModelConfig.tiny(vocab_size=256, max_position_embeddings=256)
@@ -138,8 +138,8 @@ def _free_port() -> int:
 
 
 def _env(devices: int) -> dict:
-  return dict(os.environ, XLA_FLAGS=xla_flags(devices),
-              PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
+  return dict(os.environ, XLA_FLAGS=xla_flags(devices), PYTHONPATH=PYTHONPATH,
+              JAX_PLATFORMS="cpu")
 
 
 def _run_all(cmds, envs, timeout: float) -> list[dict]:
@@ -277,8 +277,8 @@ def test_main_job_data_x_model_on_two_processes(tmp_path):
   import jax
 
   import specroll_jax
+  from app.widen import WideShape, widen
   from specroll_jax import cond_heads, models
-  from specroll_jax.models.widen import WideShape, widen
   asset = Path(specroll_jax.__file__).parent / "assets" / "gsm8k-tiny"
   config, params = models.load_pretrained(asset)
   shape = WideShape(hidden_size=192, num_layers=4, num_heads=6, num_kv_heads=2, head_dim=64,

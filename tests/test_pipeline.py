@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specroll_jax import pipeline
+from app import pipeline
 
 
 def test_grpo_batch_sample_ids():
@@ -19,7 +19,7 @@ def test_grpo_batch_rejects_bad_group_size():
 
 
 def test_run_config_vanilla_buckets():
-  from specroll_jax.grpo.loop import RunConfig
+  from app.loop import RunConfig
   assert RunConfig().vanilla_buckets is None  # the engine's default buckets
   assert RunConfig(vanilla_buckets=[1.0, 0.5]).vanilla_buckets == (1.0, 0.5)
   for bad in ((0.5,), (1.0, 2.0), ()):
@@ -27,33 +27,59 @@ def test_run_config_vanilla_buckets():
       RunConfig(vanilla_buckets=bad)
 
 
-@pytest.mark.slow  # a Run with its warm-up compiles
-def test_run_static_heads_rollout_with_root_conditioned_heads(trained_model, tmp_path):
-  """RunConfig(rollout="static-heads") with root-conditioned heads proposes as SpecRoll's plain
-  heads do (RankedHeads under the run's ReflexConfig, adaptation.heads_proposer) and commits the
-  vanilla run's tokens."""
+def _heads(config):
   import jax
 
-  from specroll_jax import adaptation
   from specroll_jax import cond_heads as CH
-  from specroll_jax.grpo.config import GRPOConfig
-  from specroll_jax.grpo.loop import Run, RunConfig
+  heads = CH.init(jax.random.key(0), config, 3, width=32)
+  return heads.replace(w_o=0.05 * jax.random.normal(jax.random.key(1), heads.w_o.shape))
+
+
+def test_static_heads_propose_as_specrolls_plain_heads(trained_model):
+  """The static-heads rollout's proposer (``rollout.Speculation.of_heads`` of root-conditioned
+  heads) is the tree of a SpecRoll with Reflex, lookup and slow path off: the same
+  ``RankedHeads`` and, before any calibration, the same acceptance table."""
+  from specroll_jax import SpecRoll, rollout
   from specroll_jax.proposers import RankedHeads
+  from specroll_jax.rollout import SpecConfig
+  from specroll_jax.slow_path import SlowPathConfig
+
+  config, params, tok = trained_model
+  heads = _heads(config)
+  spec = SpecConfig(node_budget=8)
+  static = rollout.Speculation.of_heads(heads, spec)
+  sr = SpecRoll(config, max_new_tokens=12, group_size=2, lookup=None, reflex=None,
+                slow=SlowPathConfig(mode="off"), spec=spec, budget="fixed")
+  state, batch = sr.init(heads), sr.batch([[1, 2, 3]], [0])
+  plan = sr.plan(state, batch)
+  assert plan.mode == "speculative" and plan.reflex == "off"
+  assert isinstance(static.proposer, RankedHeads) and static.proposer == plan.proposer
+  assert static.params.heads is heads
+  table = state.calibration.table().reshape(np.shape(static.params.acceptance))
+  np.testing.assert_array_equal(np.asarray(static.params.acceptance), table)
+  with pytest.raises(ValueError, match="heads has 3 heads but spec.num_heads=2"):
+    rollout.Speculation.of_heads(heads, SpecConfig(num_heads=2))
+  with pytest.raises(ValueError, match="heads is None"):
+    rollout.Speculation.of_heads(None, spec)
+
+
+@pytest.mark.slow  # a Run with its warm-up compiles
+def test_run_static_heads_rollout_with_root_conditioned_heads(trained_model, tmp_path):
+  """RunConfig(rollout="static-heads") with root-conditioned heads (SpecRoll with Reflex, lookup
+  and slow path off: the plain heads of ``test_static_heads_propose_as_specrolls_plain_heads``)
+  commits the vanilla run's tokens."""
+  from app.loop import Run, RunConfig
+  from specroll_jax.grpo.config import GRPOConfig
   from specroll_jax.rollout import SpecConfig
 
   config, params, tok = trained_model
-  heads = CH.init(jax.random.key(0), config, 3, width=32)
-  heads = heads.replace(w_o=0.05 * jax.random.normal(jax.random.key(1), heads.w_o.shape))
-  prop, pp = adaptation.heads_proposer(adaptation.AdaptationConfig(), heads)
-  assert isinstance(prop, RankedHeads) and pp.heads is heads
-  with pytest.raises(ValueError, match="heads must be"):
-    adaptation.heads_proposer(adaptation.AdaptationConfig(), params)
+  heads = _heads(config)
   outs = {}
   for kind in ("static-heads", "vanilla"):
     run = RunConfig(grpo=GRPOConfig(group_size=2), prompts_per_step=2, max_new_tokens=12,
                     steps=1, rollout=kind, spec=SpecConfig(node_budget=8), vanilla_buckets=(1.0,))
     r = Run(run, config, params, tok, heads, tmp_path / kind, log=lambda *a: None)
-    outs[kind], _ = r.trainer.rollout(r.local_params(), r.batch(0))
+    outs[kind], _, _ = r.trainer.rollout(r.local_params(), r.batch(0), r.state.specroll)
     r.close()
   s, v = outs["static-heads"], outs["vanilla"]
   assert (np.asarray(s.tokens) == np.asarray(v.tokens)).all()
@@ -72,9 +98,9 @@ def test_grpo_step_is_a_function_of_state_and_batch(trained_model, tmp_path):
   import jax.numpy as jnp
   from conftest import leaves_equal
 
+  from app.loop import Run, RunConfig
+  from app.trainer import StepMetrics
   from specroll_jax.grpo import GRPOConfig
-  from specroll_jax.grpo.loop import Run, RunConfig
-  from specroll_jax.grpo.trainer import StepMetrics
 
   config, params, tok = trained_model
   run = RunConfig(grpo=GRPOConfig(group_size=2), prompts_per_step=2, max_new_tokens=12, steps=1,
@@ -92,3 +118,22 @@ def test_grpo_step_is_a_function_of_state_and_batch(trained_model, tmp_path):
   np.testing.assert_array_equal(a.rows.tokens, b.rows.tokens)
   assert r.metrics_path.read_text() == "" and r.ckpt.latest_step() is None
   r.close()
+
+
+def test_assets_load_is_the_pipelines_embedded_model(tmp_path, monkeypatch):
+  """``specroll_jax.assets.load()`` (the library's way, no app needed) reads the model, tokenizer
+  and root-conditioned heads that ``pipeline.load_model()`` and ``default_heads(...,
+  conditioned=True)`` read for the embedded model; a missing shipped file is refused by name."""
+  from conftest import leaves_equal
+
+  from specroll_jax import assets
+
+  config, params, tok, heads = assets.load()
+  config2, params2, tok2, path = pipeline.load_model(progress=False)
+  assert path == assets.path() and config == config2 and leaves_equal(params, params2)
+  text = "Question: Mia has 12 apples. She gives 5 of them to Leo."
+  assert tok.encode(text) == tok2.encode(text) and tok.eos_ids == tok2.eos_ids
+  assert leaves_equal(heads, pipeline.default_heads(config2, params2, tok2, path, conditioned=True))
+  monkeypatch.setattr(assets, "path", lambda: tmp_path)
+  with pytest.raises(FileNotFoundError, match="the embedded model's config.json is missing"):
+    assets.load()

@@ -1,6 +1,5 @@
-"""Proposers through the engine: prompt lookup and heads + lookup give the vanilla rollout token
-for token; a proposer's per-row state follows its row through compaction; lookup against a numpy
-reference."""
+"""Proposers through the engine: prompt lookup gives the vanilla rollout token for token; a
+proposer's per-row state follows its row through compaction; lookup against a numpy reference."""
 
 import dataclasses
 
@@ -10,10 +9,9 @@ import numpy as np
 import pytest
 from conftest import LONG
 
-from specroll_jax import heads as H
 from specroll_jax import rollout
 from specroll_jax import tree as T
-from specroll_jax.proposers import HeadsAndLookup, HeadsProposer, PromptLookup, Proposer
+from specroll_jax.proposers import HeadsProposer, PromptLookup, Proposer
 from specroll_jax.proposers.lookup import find_continuation
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 
@@ -57,31 +55,22 @@ def test_lookup_validation():
     HeadsProposer(num_heads=3, topk=(2, 2))
 
 
-@pytest.fixture(scope="module")
-def heads(trained_model):
-  return H.init(jax.random.key(5), trained_model[0], 3, scale=0.05)
+CASES = [pytest.param(SamplingConfig(temperature=0.0), marks=LONG),
+         pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), marks=LONG),
+         pytest.param(SamplingConfig(temperature=1.0), marks=pytest.mark.slow)]
 
 
-CASES = [pytest.param(SamplingConfig(temperature=0.0), "lookup", marks=LONG),
-         pytest.param(SamplingConfig(temperature=0.0), "merged",  # HeadsAndLookup: deprecated
-                      marks=LONG),
-         pytest.param(SamplingConfig(temperature=0.7, top_p=0.9), "merged", marks=LONG),
-         pytest.param(SamplingConfig(temperature=1.0), "lookup", marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("cfg,which", CASES, ids=str)
-def test_lookup_proposers_equal_vanilla(trained_model, gsm8k_prompts, heads, cfg, which):
+@pytest.mark.parametrize("cfg", CASES, ids=str)
+def test_lookup_proposer_equals_vanilla(trained_model, gsm8k_prompts, cfg):
   config, params, tok = trained_model
   prompts = gsm8k_prompts[:8]
   kw = dict(sampling=cfg, max_new_tokens=48, seed=4, sample_ids=np.arange(8) * 5 + 2,
             eos_ids=tok.eos_ids)
   ref = rollout.generate(config, params, prompts, **kw)
-  if which == "lookup":
-    prop, pp = PromptLookup(max_chain=4), ()
-  else:
-    prop, pp = HeadsAndLookup(lookup=PromptLookup(max_chain=4)), (heads, ())
-  got = rollout.generate(config, params, prompts, proposer=prop, proposer_params=pp,
-                         spec=SpecConfig(node_budget=48, bucket_fractions=(1.0, 0.5)), **kw)
+  spec = SpecConfig(node_budget=48, bucket_fractions=(1.0, 0.5))
+  got = rollout.generate(config, params, prompts,
+                         speculation=rollout.Speculation(PromptLookup(max_chain=4), (), spec),
+                         **kw)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
   np.testing.assert_array_equal(np.asarray(got.lengths), np.asarray(ref.lengths))
   np.testing.assert_allclose(np.asarray(got.logprobs), np.asarray(ref.logprobs), atol=1e-5)
@@ -89,7 +78,6 @@ def test_lookup_proposers_equal_vanilla(trained_model, gsm8k_prompts, heads, cfg
   twice = st.combine(st)  # statistics add up leaf by leaf (results.Summed)
   assert [int(a) for a in jax.tree.leaves(twice)] == [2 * int(b) for b in jax.tree.leaves(st)]
   ps = jax.tree.map(int, got.stats.spec.proposer)
-  ps = ps if which == "lookup" else ps.lookup  # HeadsAndLookup: PairStats(heads, lookup)
   assert 0 <= ps.matched <= ps.tokens
   assert ps.rows <= int(np.asarray(got.stats.spec.active_trace).sum())
   if cfg.greedy:  # the tiny model repeats itself greedily: copies pay
@@ -140,8 +128,8 @@ def test_per_row_state_follows_its_row_through_compaction(trained_model, gsm8k_p
             sample_ids=np.arange(16) + 40, eos_ids=tok.eos_ids)
   ref = rollout.generate(config, params, prompts, **kw)
   spec = SpecConfig(node_budget=32, bucket_fractions=(1.0, 0.5, 0.25))
-  got = rollout.generate(config, params, prompts, proposer=RowTag(), proposer_params=(),
-                         spec=spec, **kw)
+  got = rollout.generate(config, params, prompts,
+                         speculation=rollout.Speculation(RowTag(), (), spec), **kw)
   np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(ref.tokens))
   assert (np.asarray(got.stats.spec.bucket_forwards)[:2] > 0).all()  # compaction happened
   ps = jax.tree.map(int, got.stats.spec.proposer)

@@ -484,10 +484,10 @@ def stride_rollouts(trained_model, gsm8k_prompts):
   for s in (1, 3):
     cfg = reflex.ReflexConfig(**EAGER, stride=s)
     prop = proposers.ReflexProposer(cfg)
+    spec = SpecConfig(node_budget=16, bucket_fractions=(1.0,))
+    pp = prop.params(heads, reflex.init_global(cfg))
     out[s] = rollout.generate(config, params, prompts, **kw,
-                              spec=SpecConfig(node_budget=16, bucket_fractions=(1.0,)),
-                              proposer=prop, proposer_params=prop.params(heads,
-                                                                         reflex.init_global(cfg)))
+                              speculation=rollout.Speculation(prop, pp, spec))
   return out
 
 

@@ -69,12 +69,13 @@ def test_eos_and_length_cut(random_model):
   cfg = SamplingConfig(temperature=1.0)
   prompts = _prompts(6, config.vocab_size, seed=2)
   # no EOS ([-1, -1]: two slots, as below, so both calls are one compiled program)
+  pad = rollout.DecodeOptions(pad_id=-1)
   free = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=16, seed=5,
-                          eos_ids=[-1, -1], pad_id=-1)
+                          eos_ids=[-1, -1], options=pad)
   toks = np.asarray(free.tokens)
   eos = [int(toks[0, 3]), int(toks[2, 7])]
   r = rollout.generate(config, params, prompts, sampling=cfg, max_new_tokens=16, seed=5,
-                       eos_ids=eos, pad_id=-1)
+                       eos_ids=eos, options=pad)
   out, lens, lps = np.asarray(r.tokens), np.asarray(r.lengths), np.asarray(r.logprobs)
   for i in range(6):
     hits = np.flatnonzero(np.isin(toks[i], eos))
@@ -96,7 +97,7 @@ def test_bad_input(random_model):
   with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
     g([[1, 2], []])
   with pytest.raises(ValueError, match="exceeds cache_length 10"):
-    g([[1] * 8], max_new_tokens=4, cache_length=10)
+    g([[1] * 8], max_new_tokens=4, options=rollout.DecodeOptions(cache_length=10))
   with pytest.raises(ValueError, match="max_position_embeddings 256"):
     g([[1] * 200], max_new_tokens=100)
   with pytest.raises(ValueError, match=r"token id 256 outside \[0, vocab_size=256\)"):
@@ -120,18 +121,27 @@ def test_bad_input(random_model):
   with pytest.raises(ValueError, match=r"sample_ids holds duplicates \[3\]"):
     g([[1], [1], [2]], sample_ids=[3, 3, 4])
   with pytest.raises(ValueError, match=r"kernels must be one of \('auto', .*got 'cuda'"):
-    g([[1]], kernels="cuda")
-  with pytest.raises(ValueError, match="proposer_params is set but proposer is None"):
-    g([[1]], proposer_params=())
-  with pytest.raises(ValueError, match=r"proposer_params is None but proposer=PromptLookup"):
-    g([[1]], proposer=PromptLookup())
+    rollout.DecodeOptions(kernels="cuda")
+  with pytest.raises(ValueError, match="on_nonfinite must be 'raise' or 'flag', got 'warn'"):
+    rollout.DecodeOptions(on_nonfinite="warn")
+  with pytest.raises(ValueError, match="options must be a DecodeOptions, got dict"):
+    g([[1]], options={"pad_id": 0})
+  with pytest.raises(ValueError, match="Speculation.proposer must be a specroll_jax.proposers"):
+    rollout.Speculation(None, ())
+  with pytest.raises(ValueError, match=r"Speculation.params is None for PromptLookup"):
+    rollout.Speculation(PromptLookup(), None)
+  with pytest.raises(ValueError, match="speculation must be a Speculation, got PromptLookup"):
+    g([[1]], speculation=PromptLookup())
+  with pytest.raises(ValueError, match="bucket_fractions is for the vanilla engine"):
+    g([[1]], speculation=rollout.Speculation(PromptLookup(), ()),
+      options=rollout.DecodeOptions(bucket_fractions=(1.0,)))
 
 
 def test_duplicate_sample_ids_on_request(random_model):
   """Opting in to duplicates gives identical responses for identical (prompt, id) rows."""
   config, params = random_model
   r = rollout.generate(config, params, [[5, 6], [5, 6]], max_new_tokens=6, sample_ids=[9, 9],
-                       allow_duplicate_sample_ids=True)
+                       options=rollout.DecodeOptions(allow_duplicate_sample_ids=True))
   np.testing.assert_array_equal(np.asarray(r.tokens[0]), np.asarray(r.tokens[1]))
 
 
@@ -159,7 +169,8 @@ def test_nonfinite_logits_are_reported():
   with pytest.raises(FloatingPointError, match=r"non-finite logits in rows \[.*1.*\]"):
     rollout.generate(config, bad, prompts, max_new_tokens=4, eos_ids=[])
   with pytest.warns(RuntimeWarning, match="non-finite"):
-    r = rollout.generate(config, bad, prompts, max_new_tokens=8, on_nonfinite="flag", eos_ids=[])
+    r = rollout.generate(config, bad, prompts, max_new_tokens=8, eos_ids=[],
+                         options=rollout.DecodeOptions(on_nonfinite="flag"))
   nf, lens, toks = np.asarray(r.stats.nonfinite), np.asarray(r.lengths), np.asarray(r.tokens)
   assert nf[1] and lens[1] == 0  # poisoned prompt: nothing sampled
   for i in (0, 2):  # a row is flagged exactly when it sampled token 13 (its next step is NaN)
@@ -176,7 +187,8 @@ def test_pad_prompts_widths_and_bad_width():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(1, 100, n).tolist() for n in (3, 17, 9)]
   toks, lens = rollout.pad_prompts(prompts)
-  assert toks.shape == (3, 32) and toks.dtype == np.int32  # 17 rounded up to 16's multiple
+  assert toks.shape == (3, 32) and toks.dtype == np.int32  # 17: the next power of two, >= 32
+  assert [rollout.prompt_width(n) for n in (1, 32, 33, 100, 129)] == [32, 32, 64, 128, 256]
   np.testing.assert_array_equal(lens, [3, 17, 9])
   for row, p in zip(toks, prompts, strict=True):
     np.testing.assert_array_equal(row[: len(p)], p)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from conftest import TEST_MODEL
 
-from specroll_jax import models, sft
+from app import sft
+from specroll_jax import models
 
 pytestmark = [pytest.mark.slow, pytest.mark.long]
 

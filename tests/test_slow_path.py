@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from conftest import head_slice, leaves_equal
 
+from app.checkpoint import Checkpointer
 from specroll_jax import heads as heads_lib
 from specroll_jax import models
 from specroll_jax import records as records_lib
 from specroll_jax import slow_path as sp
-from specroll_jax.checkpoint import Checkpointer
 from specroll_jax.records import Records
 from specroll_jax.slow_path import retrain
 
@@ -210,7 +210,7 @@ def test_learning_is_judged_over_bootstrap_steps_of_refreshes():
 def test_a_probes_refresh_spends_the_budget_of_the_batches_since_the_last_trees():
   from types import SimpleNamespace
 
-  from specroll_jax.specroll_fold import batches_since_trees
+  from specroll_jax.specroll.fold import batches_since_trees
   st = lambda b, nxt, gap: SimpleNamespace(batches=b, next_probe=nxt, probe_gap=gap)
   assert batches_since_trees(st(0, 0, 4)) == 1  # the first batch
   assert batches_since_trees(st(4, 4, 4)) == 4  # a probe every 4 batches
@@ -810,8 +810,6 @@ def test_main_job_slow_path_settings(tmp_path):
                collapse_acceptance=0.02, tv_weight=1.0)
   assert cfg.slow == sp.SlowPathConfig.for_small_models(**learn)
   assert cfg.records_per_batch == 64
-  cfg = mod.run_config(mod.parse(["--trainer-anchors", "32"]), rollout_kind="specroll")
-  assert cfg.records_per_batch == 32  # the deprecated name of the flag
   cfg = mod.run_config(mod.parse(["--model", str(tmp_path)]), rollout_kind="specroll")
   assert cfg.slow == sp.SlowPathConfig(**learn)
   cfg = mod.run_config(mod.parse(["--model", str(tmp_path), "--slow-refresh-vocab", "support",

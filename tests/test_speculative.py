@@ -9,7 +9,7 @@ from conftest import LONG
 from specroll_jax import heads as H
 from specroll_jax import models, rollout, sampling, tree, verify
 from specroll_jax.proposers import HeadsProposer
-from specroll_jax.rollout import SamplingConfig, SpecConfig
+from specroll_jax.rollout import DecodeOptions, SamplingConfig, SpecConfig, Speculation
 
 
 def _assert_same(ref, got):
@@ -43,7 +43,8 @@ def fitted_heads(trained_model, gsm8k_prompts):
   config, params, _ = trained_model
   cfg = SamplingConfig(temperature=0.0)
   r = rollout.generate(config, params, gsm8k_prompts, sampling=cfg, max_new_tokens=96, seed=11,
-                       return_hidden=True, sample_ids=np.arange(1000, 1016))
+                       sample_ids=np.arange(1000, 1016),
+                       options=DecodeOptions(return_hidden=True))
   heads = H.init(jax.random.key(0), config, 3)
   heads, _ = H.fit_heads(config, params, heads, r.tokens, r.lengths, r.hidden, steps=200,
                          progress=False)
@@ -77,7 +78,8 @@ def test_speculative_equals_vanilla(trained_model, gsm8k_prompts, fitted_heads, 
             eos_ids=tok.eos_ids)
   ref = rollout.generate(config, params, prompts, **kw)
   hd = fitted_heads if which == "fitted" else random_heads
-  got = rollout.generate(config, params, prompts, spec=spec, heads=hd, **kw)
+  got = rollout.generate(config, params, prompts, speculation=Speculation.of_heads(hd, spec),
+                         **kw)
   _assert_same(ref, got)
   st = got.stats
   assert_stats_invariants(got, spec.bucket_shapes(8, HeadsProposer(3, spec.topk).capacity))
@@ -100,7 +102,8 @@ def test_eos_inside_tree_and_length_limit_mid_path(trained_model, gsm8k_prompts,
     kw = dict(sampling=cfg, max_new_tokens=max_new, eos_ids=eos)
     ref = rollout.generate(config, params, prompts, **kw)
     spec = SpecConfig(node_budget=64, bucket_fractions=(1.0,))  # one bucket: fewer compiles
-    got = rollout.generate(config, params, prompts, spec=spec, heads=fitted_heads, **kw)
+    got = rollout.generate(config, params, prompts,
+                           speculation=Speculation.of_heads(fitted_heads, spec), **kw)
     _assert_same(ref, got)
     assert got.stats.tokens_per_forward > 1.3  # paths were long enough to cross the cut points
 
@@ -119,14 +122,14 @@ def test_compaction_over_buckets(trained_model, gsm8k_prompts, random_heads):
   assert (lens < 64).sum() >= 8 and lens.max() == 64, lens
   spec = SpecConfig(node_budget=32, max_nodes=8, bucket_fractions=(1.0, 0.5, 0.25))
   kw = dict(sampling=cfg, max_new_tokens=64, seed=9, sample_ids=sids, eos_ids=tok.eos_ids,
-            spec=spec, heads=random_heads)
+            speculation=Speculation.of_heads(random_heads, spec))
   got = rollout.generate(config, params, prompts, **kw)
   _assert_same(ref, got)
   shapes = spec.bucket_shapes(16)
   assert_stats_invariants(got, shapes)
   ran = np.asarray(got.stats.spec.bucket_forwards)
   assert (ran[:2] > 0).all()  # compacted into the second bucket
-  prof = rollout.generate(config, params, prompts, profile=True, **kw)
+  prof = rollout.generate(config, params, prompts, options=DecodeOptions(profile=True), **kw)
   _assert_same(ref, prof)
   times = prof.stats.bucket_times
   assert [b[:2] for b in times] == shapes[: len(times)]
@@ -140,7 +143,8 @@ def test_tau_with_fitted_heads(trained_model, gsm8k_prompts, fitted_heads):
   config, params, tok = trained_model
   r = rollout.generate(config, params, gsm8k_prompts[8:16], max_new_tokens=64,
                        sampling=SamplingConfig(temperature=0.0), eos_ids=tok.eos_ids,
-                       spec=SpecConfig(node_budget=64), heads=fitted_heads)
+                       speculation=Speculation.of_heads(fitted_heads,
+                                                        SpecConfig(node_budget=64)))
   assert r.stats.tokens_per_forward > 1.5, r.stats.tokens_per_forward
   acc = r.stats.head_acceptance
   assert acc[0] > 0.5 and (np.diff(acc) <= 1e-9).all()  # deeper heads accept no more often
@@ -196,15 +200,17 @@ def test_bad_spec_input(trained_model, random_heads):
   other = models.ModelConfig.tiny(vocab_size=config.vocab_size + 1,
                                   hidden_size=config.hidden_size)
   with pytest.raises(ValueError, match=f"vocab_size {config.vocab_size + 1} does not match"):
-    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, spec=SpecConfig(),
-                     heads=H.init(jax.random.key(0), other, 3))
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4,
+                     speculation=Speculation.of_heads(H.init(jax.random.key(0), other, 3)))
   wide = models.ModelConfig.tiny(vocab_size=config.vocab_size, hidden_size=32, head_dim=8)
   with pytest.raises(ValueError, match=f"hidden size 32 does not match the model's hidden_size "
                                        f"{config.hidden_size}"):
-    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, spec=SpecConfig(),
-                     heads=H.init(jax.random.key(0), wide, 3))
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4,
+                     speculation=Speculation.of_heads(H.init(jax.random.key(0), wide, 3)))
   with pytest.raises(ValueError, match="heads has 3 heads but SpecConfig.num_heads is 2"):
-    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, heads=random_heads,
-                     spec=SpecConfig(num_heads=2, topk=(2, 2)))
-  with pytest.raises(ValueError, match="spec is set but neither heads nor proposer is"):
-    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, spec=SpecConfig())
+    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, speculation=Speculation.of_heads(
+        random_heads, SpecConfig(num_heads=2, topk=(2, 2))))
+  with pytest.raises(ValueError, match="Speculation.of_heads: heads is None"):
+    Speculation.of_heads(None, SpecConfig())
+  with pytest.raises(ValueError, match="spec must be a SpecConfig, got dict"):
+    Speculation.of_heads(random_heads, {"node_budget": 8})

@@ -5,9 +5,10 @@ import re
 
 import pytest
 
+from app import synthetic
+from app.synthetic import Difficulty
 from specroll_jax import rewards
-from specroll_jax.data import gsm8k, synthetic
-from specroll_jax.data.synthetic import Difficulty
+from specroll_jax.data import gsm8k
 
 LEVELS = [Difficulty.from_level(lv) for lv in range(synthetic.NUM_LEVELS)]
 PRESETS = [Difficulty.easy(), Difficulty.medium(), Difficulty.hard()]
@@ -183,7 +184,7 @@ def test_bad_arguments():
 
 
 def test_tasks_give_gsm8k_synthetic_or_both():
-  from specroll_jax.data import tasks
+  from app import tasks
   syn = tasks.Task(name="synthetic", level=1, train_size=50, test_size=20)
   tr, te = syn.examples("train"), syn.examples("test")
   assert len(tr) == 50 and len(te) == 20

@@ -11,9 +11,9 @@ import pytest
 from conftest import TEST_MODEL
 
 import specroll_jax
+from app.tasks import Task
 from specroll_jax import models
 from specroll_jax.data import gsm8k
-from specroll_jax.data.tasks import Task
 from specroll_jax.models.tokenizer import EOS_TOKEN, PAD_TOKEN, Tokenizer, train_bpe
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # AutoTokenizer reads local folders only
@@ -149,7 +149,7 @@ def transformers():
 
 @pytest.fixture(scope="module")
 def agreement_texts():
-  """Texts as the library encodes them: synthetic prompts the way ``grpo.loop.Prompts`` builds
+  """Texts as the library encodes them: synthetic prompts the way ``app.loop.Prompts`` builds
   them (easy and hard numbers), GSM8K test prompts and prompt + answer, and ``EDGE_TEXTS``."""
   syn = Task(name="synthetic", train_size=100).examples("train")
   syn += Task(name="synthetic", level=4, train_size=100).examples("train")

@@ -50,7 +50,7 @@ _SHARDED = textwrap.dedent("""
     from jax.sharding import Mesh, PartitionSpec as P
     from specroll_jax import heads as H, models, reflex, rollout
     from specroll_jax.kernels import Kernels
-    from specroll_jax.proposers import HeadsAndLookup, ReflexProposer
+    from specroll_jax.proposers import Merged, ReflexProposer
     assert jax.device_count() == 4, jax.devices()
     config = models.ModelConfig.tiny(vocab_size=64, max_position_embeddings=128)
     params = models.init_params(jax.random.key(0), config)
@@ -64,7 +64,7 @@ _SHARDED = textwrap.dedent("""
                                       max_new_tokens=24, cache_length=batch.cache_length,
                                       kernels=Kernels.resolve("reference"))
     spec = rollout.SpecConfig(node_budget=8, bucket_fractions=(1.0, 0.5, 0.25))
-    prop = HeadsAndLookup()
+    prop = Merged()  # the heads and the row's own-text lookup in one ranked tree
     mesh = Mesh(np.array(jax.devices()), ("data",))
     args = [jnp.asarray(a) for a in (batch.tokens, batch.lengths, batch.sample_ids)]
     eos_a = jnp.asarray(batch.eos_ids)
@@ -89,7 +89,7 @@ _SHARDED = textwrap.dedent("""
                                         out_specs=(d, d, d)))
     sharded_reflex = jax.jit(jax.shard_map(reflex_fn, mesh=mesh, in_specs=(P(), P(), d, d, d),
                                            out_specs=(d, d, d)))
-    a = sharded_spec(params, (hd, ()), *args)
+    a = sharded_spec(params, prop.params(hd), *args)
     c = sharded_reflex(params, ReflexProposer(rcfg).params(hd, reflex.init_global(rcfg)), *args)
     b = sharded_van(params, *args)
     ref = rollout.generate(config, params, prompts, max_new_tokens=24, seed=3, eos_ids=eos,

@@ -10,10 +10,10 @@ import textwrap
 import numpy as np
 import pytest
 import tensorstore as ts
+from conftest import PYTHONPATH
 
-from specroll_jax.traces import TraceReader, TraceSpec, TraceWriter, read_traces
+from app.traces import TraceReader, TraceSpec, TraceWriter, read_traces
 
-_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 B, P, M = 3, 5, 7
 
 
@@ -93,7 +93,7 @@ def test_reader_in_same_process_sees_complete_steps(tmp_path):
 _READER = textwrap.dedent("""
   import sys
   import numpy as np
-  from specroll_jax.traces import TraceReader
+  from app.traces import TraceReader
 
   reader = None
   for line in sys.stdin:
@@ -109,7 +109,7 @@ _READER = textwrap.dedent("""
 def test_reader_in_other_process_while_writer_open(tmp_path):
   path = tmp_path / "trace"
   w = TraceWriter(path, batch=B, prompt_len=P, max_new=M)
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+  env = dict(os.environ, PYTHONPATH=PYTHONPATH)
   child = subprocess.Popen([sys.executable, "-c", _READER, str(path)], env=env, text=True,
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 

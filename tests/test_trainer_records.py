@@ -1,7 +1,7 @@
 """Slow-path records from the trainer's forward (``trainer_records``): every field checked against
 an independent computation (the whole-path head apply, the full-vocabulary target softmax), the
-GRPO step hands out its own forward's hidden states without changing the update, and the
-adaptation state takes such records between batches (``adaptation.after_trainer``)."""
+GRPO step hands out its own forward's hidden states without changing the update, and the slow
+path takes such records between batches (``slow_path.after_batch``)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from specroll_jax import adaptation as A
 from specroll_jax import cond_heads as CH
 from specroll_jax import grpo, rollout
 from specroll_jax import slow_path as SP
@@ -202,30 +201,26 @@ def test_train_step_hands_out_its_forward_without_changing_the_update(trained_mo
     grpo.make_train_step(config, cfg, mesh=mesh, return_hidden=1)
 
 
-@pytest.mark.slow  # (the deprecated adaptation path)
-def test_adaptation_takes_trainer_records(trained_model, batch):
+@pytest.mark.slow  # a refresh compiles
+def test_slow_path_takes_trainer_records(trained_model, batch):
+  """Records from the trainer's forward (``from_hidden``) go into the slow path as a rollout's
+  do: merged into the reservoir (every valid one), the acceptance passed through as given (NaN:
+  unknown), and the every-batch refresh trains every head on them."""
   config, params, _ = trained_model
   arr, plens, toks, lens, hid, heads = batch
   slow = SP.SlowPathConfig.for_tests(mode="every_batch", learning_rate=3e-3, guard=False)
-  rc = ReflexConfig(conditioned=True, record_capacity=0)
-  with pytest.raises(ValueError, match="needs records"):
-    A.AdaptationConfig(reflex=rc, slow=slow)
-  with pytest.raises(ValueError, match="AdaptationConfig.records must be one of"):
-    A.AdaptationConfig(reflex=rc, slow=slow, records="decoder")
-  ac = A.AdaptationConfig(reflex=rc, slow=slow, records="trainer").for_sampling(SAMPLING)
-  state = A.init(ac, heads)
-  rec = TR.from_hidden(rc, config, params, heads, hid, toks, lens, plens, sampling=SAMPLING,
+  state = SP.init(slow, heads, support_size=CFG.support_size, num_candidates=CFG.max_candidates)
+  rec = TR.from_hidden(CFG, config, params, heads, hid, toks, lens, plens, sampling=SAMPLING,
                        key=jax.random.key(0), num_anchors=N)
-  report = A.AdaptationReport(batch=0, rollout_seconds=0.5, head_acceptance=(0.6, 0.3, np.nan))
-  new, rep = A.after_trainer(state, config, params, rec, report)
-  np.testing.assert_array_equal(np.asarray(new.slow.reservoir.count),
-                                np.asarray(rec.valid).sum(1))
-  assert rep.slow.heads == (0, 1, 2) and rep.slow.decision == "every_batch"
-  assert rep.adaptation_seconds > 0 and rep.head_acceptance == report.head_acceptance
-  changed = float(np.abs(np.asarray(new.heads.w_o) - np.asarray(heads.w_o)).max())
+  acc = jnp.asarray([0.6, 0.3, np.nan], jnp.float32)
+  new, new_heads, rep = SP.after_batch(slow, state, config, params, heads, rec, acc, 0.5)
+  np.testing.assert_array_equal(np.asarray(new.reservoir.count), np.asarray(rec.valid).sum(1))
+  assert rep.records == tuple(int(x) for x in np.asarray(rec.valid).sum(1))
+  assert rep.heads == (0, 1, 2) and rep.decision == "every_batch" and rep.refresh_seconds > 0
+  np.testing.assert_array_equal(rep.acceptance, np.asarray(acc))  # NaN == NaN
+  changed = float(np.abs(np.asarray(new_heads.w_o) - np.asarray(heads.w_o)).max())
   assert changed > 1e-4  # refreshed on the trainer's records
-  with pytest.raises(ValueError, match="rollout_report must be"):
-    A.after_trainer(state, config, params, rec, {})
-  rollout_cfg = A.init(A.AdaptationConfig(reflex=CFG, slow=slow).for_sampling(SAMPLING), heads)
-  with pytest.raises(ValueError, match="needs AdaptationConfig.records='trainer'"):
-    A.after_trainer(rollout_cfg, config, params, rec, report)
+  with pytest.raises(ValueError, match=r"head_acceptance must have shape \(3,\)"):
+    SP.after_batch(slow, state, config, params, heads, rec, acc[:2], 0.5)
+  with pytest.raises(ValueError, match="batch_records must be a specroll_jax.records.Records"):
+    SP.after_batch(slow, state, config, params, heads, {}, acc, 0.5)

@@ -1,5 +1,6 @@
 """Sparse speculation trees (docs/design.md, "One speculative step", steps 2 and 4): properties of
-``plan`` checked against independent numpy references, and exact acceptance."""
+``plan`` checked against independent numpy references, chains and the root-only tree, the heads
+proposer's trimmed candidate set (same tree as the full one), and exact acceptance."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specroll_jax import tree as tree_mod
+from specroll_jax.proposers.heads import effective_topk
 from specroll_jax.tree import Tree, accept, plan
 
 _plan = jax.jit(plan, static_argnames=("num_nodes", "topk"))
@@ -272,3 +274,41 @@ def test_accept_matches_reference(seed):
       want.append(kids[0])
     assert int(path_len[r]) == len(want)
     np.testing.assert_array_equal(np.asarray(path)[r, :len(want)], want)
+
+
+def test_chain_and_root_only():
+  root = jnp.array([5, 6, 7])
+  toks = jnp.array([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+  tr = tree_mod.chain(root, toks, jnp.array([3, 1, 0]), num_nodes=4)
+  valid = np.asarray(tr.valid)
+  np.testing.assert_array_equal(valid, [[1, 1, 1, 1, 0], [1, 1, 0, 0, 0], [1, 0, 0, 0, 0]])
+  np.testing.assert_array_equal(np.asarray(tr.tokens)[0, :4], [5, 1, 2, 3])
+  np.testing.assert_array_equal(np.asarray(tr.parent)[0, :4], [-1, 0, 1, 2])
+  for r in range(3):
+    np.testing.assert_array_equal(np.asarray(tr.mask)[r],
+                                  ancestor_closure(np.asarray(tr.parent)[r], valid[r]))
+  ro = tree_mod.root_only(root)
+  assert ro.num_nodes == 0 and np.asarray(ro.valid).all()
+
+
+EFFECTIVE_SHAPES = [((4, 3, 2), 1), ((4, 3, 2), 2), ((4, 3, 2), 5), ((4, 3, 2), 40), ((2, 2), 3),
+                    ((1, 4, 2), 6), ((3, 3, 3, 3), 7)]  # fixed static shapes (one compile each)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(EFFECTIVE_SHAPES), st.integers(0, 2**31 - 1))
+def test_effective_topk_gives_the_same_tree(shape, seed):
+  topk, n = shape
+  eff = effective_topk(topk, n)
+  assert len(eff) == min(len(topk), n) and all(1 <= e <= k for e, k in zip(eff, topk, strict=False))
+  rng = np.random.default_rng(seed)
+  lp = np.log(rng.dirichlet(np.ones(V), size=(R, len(topk)))).astype(np.float32)
+  budget = jnp.full((R,), n, jnp.int32)
+  full = _plan(jnp.zeros((R,), jnp.int32), jnp.asarray(lp), budget, num_nodes=n, topk=topk)
+  cut = _plan(jnp.zeros((R,), jnp.int32), jnp.asarray(lp[:, : len(eff)]), budget, num_nodes=n,
+              topk=eff)
+  fields = ("tokens", "parent", "valid")
+  full_np = {f: np.asarray(getattr(full, f)) for f in fields}
+  cut_np = {f: np.asarray(getattr(cut, f)) for f in fields}
+  for r in range(R):
+    assert set(_node_paths(full_np, r).values()) == set(_node_paths(cut_np, r).values())

@@ -185,10 +185,6 @@ def test_speculative_returns_vanilla_tokens(model, vanilla):
   assert learned.report.slow.decision in ("bootstrap", "learning")  # the heads are learning
   with pytest.raises(ValueError, match="heads must be heads, None or 'learn'"):
     _backend(model, heads="fit", num_generations=2)
-  with pytest.warns(DeprecationWarning, match="adaptation"):
-    from specroll_jax import adaptation
-    state = adaptation.init(adaptation.AdaptationConfig(), hd)
-    _backend(model, adaptation=state, num_generations=2, specroll=FIXED)
 
 
 # --- sample ids, seeds and outputs --------------------------------------------------------------
@@ -408,9 +404,10 @@ def test_qwen2_from_pretrained_is_our_model(tmp_path):
 
   from transformers import AutoTokenizer
 
-  from specroll_jax import models, pipeline, rollout
+  from app import pipeline
+  from app.tasks import Task
+  from specroll_jax import models, rollout
   from specroll_jax.data import gsm8k
-  from specroll_jax.data.tasks import Task
 
   path = pipeline.default_model_path(progress=False)
   m = sr.tunix_qwen2_from_pretrained(path)

@@ -11,18 +11,18 @@ import numpy as np
 import pytest
 
 import specroll_jax
+from app.widen import (
+  QWEN25_SHAPES,
+  WideShape,
+  byte_count,
+  widen,
+  widen_heads,
+  widened_config,
+)
 from specroll_jax import cond_heads, heads, models, rollout
 from specroll_jax.data import gsm8k
 from specroll_jax.models import decoder
 from specroll_jax.models.tokenizer import Tokenizer
-from specroll_jax.models.widen import (
-    QWEN25_SHAPES,
-    WideShape,
-    byte_count,
-    widen,
-    widen_heads,
-    widened_config,
-)
 from specroll_jax.sampling import SamplingConfig
 
 ASSET = Path(specroll_jax.__file__).parent / "assets" / "gsm8k-tiny"
@@ -134,7 +134,7 @@ def test_generate_same_tokens(source, wide):
   # sample id, position and token only, not on the buckets).
   run = lambda c, p: rollout.generate(c, p, prompts, max_new_tokens=16,
                                       sampling=SamplingConfig(temperature=1.0), seed=0,
-                                      bucket_fractions=(1.0,))
+                                      options=rollout.DecodeOptions(bucket_fractions=(1.0,)))
   a, b = run(config, params), run(big, bp)
   np.testing.assert_array_equal(np.asarray(b.tokens), np.asarray(a.tokens))
   np.testing.assert_array_equal(np.asarray(b.lengths), np.asarray(a.lengths))

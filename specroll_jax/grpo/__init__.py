@@ -40,11 +40,3 @@ __all__ = ["AGGREGATIONS", "OLD_POLICIES", "Batch", "GRPOConfig", "Metrics", "Ro
            "make_rollout_train_step", "make_train_step", "rollout_train_step", "token_terms",
            "train_step", "trainer_hidden", "trainer_logprobs"]
 
-
-def __getattr__(name):
-  if name == "PromptBatch":  # the one ``PromptBatch`` is the engines' (``rollout.PromptBatch``)
-    import warnings
-    warnings.warn("grpo.PromptBatch is renamed grpo.StepPrompts (rollout.PromptBatch is the "
-                  "engines' batch)", DeprecationWarning, stacklevel=2)
-    return StepPrompts
-  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

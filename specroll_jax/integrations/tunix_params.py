@@ -274,7 +274,7 @@ def tunix_qwen2_from_pretrained(path, *, dtype=None) -> _qwen2.Qwen2:
   """tunix's ``Qwen2`` (an nnx module, what ``RLCluster`` trains and ``SpecRollRollout`` decodes)
   holding the weights of a local Hugging Face Qwen2 folder (``config.json`` +
   ``model.safetensors``, read by ``models.load_pretrained``; nothing is downloaded), e.g. the
-  embedded model ``pipeline.default_model_path()``. ``dtype``: parameter and compute dtype
+  embedded model's ``assets.path()``. ``dtype``: parameter and compute dtype
   (default: config.json's). The module is built abstractly (``nnx.eval_shape``: no random init)
   and every ``Param`` then set from ``tunix_qwen2_params``, shape-checked. ValueError naming the
   file or field: a missing or unreadable file, a model that is not Qwen2."""

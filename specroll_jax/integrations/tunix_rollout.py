@@ -21,7 +21,7 @@ from tunix.rl.rollout import base_rollout
 from specroll_jax import executables as _exe
 from specroll_jax import head_kinds
 from specroll_jax import sampling as _sampling
-from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.config import DecodeSettings
 from specroll_jax.engines import VanillaEngine
 from specroll_jax.grpo.logprobs import trainer_logprobs
 from specroll_jax.integrations.tunix_params import (
@@ -37,14 +37,10 @@ from specroll_jax.mesh import ModelMesh
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer
 from specroll_jax.results import Rollout
-from specroll_jax.rollout import prepare_batch
+from specroll_jax.rollout import prepare_batch, prompt_width
 from specroll_jax.specroll import Mapped, SpecRoll
 
 __all__ = ["SpecRollRollout"]
-
-
-def _next_power_of_2(x: int) -> int:
-  return 1 << max(int(x) - 1, 0).bit_length()
 
 
 def _trainer_layout(prompt_tokens, completion_tokens, pad_id, completion_mask):
@@ -127,8 +123,7 @@ class SpecRollRollout(base_rollout.BaseRollout):
     ``SpecRoll`` settings (a dict of its fields, e.g.
     ``{"budget": "fixed", "spec": SpecConfig(...)}``). None of heads / proposer: the vanilla
     engine. ``self.state`` is the object's state (carried from call to call, per rollout config),
-    ``self.report`` the last call's ``SpecRollReport``. adaptation, spec: deprecated (a
-    DeprecationWarning; ``heads=adaptation.heads`` and ``specroll={"spec": spec}``).
+    ``self.report`` the last call's ``SpecRollReport``.
   num_generations: G (the object's group size; 1 when None); when set, ``generate`` checks
     tunix's group layout (G consecutive copies of each prompt).
   seed: the seed when ``RolloutConfig.seed`` is None.
@@ -143,8 +138,7 @@ class SpecRollRollout(base_rollout.BaseRollout):
                specroll: dict | None = None, num_generations: int | None = None, seed: int = 0,
                keep_eos: bool = False, kernels: str | Kernels = "auto",
                max_position_embeddings: int = 32768, tokenizer_vocab_size: int | None = None,
-               on_nonfinite: str = "raise", adaptation=None, spec: SpecConfig | None = None,
-               mesh_axes: tuple[str | None, str] = ("fsdp", "tp")):
+               on_nonfinite: str = "raise", mesh_axes: tuple[str | None, str] = ("fsdp", "tp")):
     if rollout_actor is None:
       raise ValueError(f"rollout_actor is None; pass a tunix model: {_supported_names()}")
     if tokenizer is None:
@@ -188,17 +182,6 @@ class SpecRollRollout(base_rollout.BaseRollout):
         raise ValueError(f"tokenizer.{name}()={tid} is outside the model's vocabulary "
                          f"[0, vocab_size={v})")
     specroll = dict(specroll or {})
-    if adaptation is not None:
-      warnings.warn("SpecRollRollout(adaptation=...) is deprecated: pass heads= (the SpecRoll "
-                    "object's defaults carry Reflex and the slow path); using "
-                    "heads=adaptation.heads", DeprecationWarning, stacklevel=2)
-      if heads is not None:
-        raise ValueError("pass heads= or the deprecated adaptation=, not both")
-      heads = adaptation.heads
-    if spec is not None:
-      warnings.warn("SpecRollRollout(spec=...) is deprecated: pass specroll={'spec': ...}",
-                    DeprecationWarning, stacklevel=2)
-      specroll.setdefault("spec", spec)
     if heads is not None and proposer is not None:
       raise ValueError("pass heads= (the default tree) or proposer= with proposer_params=, not "
                        "both")
@@ -251,8 +234,8 @@ class SpecRollRollout(base_rollout.BaseRollout):
     rows = [self._tokenize(p) for p in prompts]
     longest = max(len(r) for r in rows)
     width = int(rollout_config.max_prompt_length)
-    if longest > width:  # tunix's sampler widens to the next power of two, never truncates
-      width = _next_power_of_2(longest)
+    if longest > width:  # widened as every entry pads (a power of two), never truncated
+      width = prompt_width(longest)
     if width + m > config.max_position_embeddings:
       raise ValueError(
           f"RolloutConfig: prompt width {width} (max_prompt_length="
@@ -413,9 +396,9 @@ class SpecRollRollout(base_rollout.BaseRollout):
         raise ValueError(f"sample_ids {sids.tolist()} are not whole groups of G={g} "
                          "(prompt * G + member)")
       rows = [batch.tokens[i, : batch.lengths[i]] for i in range(0, len(sids), g)]
-      out, state = obj.generate(src, obj.batch(rows, pids), state, seed=seed)
+      out, report, state = obj.generate(src, obj.batch(rows, pids), state, seed=seed)
       self._objects[(config, sampling, m, tuple(eos), width)] = (obj, state)
-      self.state, self.report = state, out.report
+      self.state, self.report = state, report
     else:
       settings = DecodeSettings(sampling=sampling, max_new_tokens=m,
                                 cache_length=batch.cache_length, kernels=self._kernels,

@@ -15,10 +15,9 @@ from specroll_jax.models.decoder import (
     write_cache,
 )
 from specroll_jax.models.hf import load_pretrained, save_pretrained
-from specroll_jax.models.widen import QWEN25_SHAPES, WideShape, byte_count, widen
 
 __all__ = [
-    "QWEN25_SHAPES", "KVCache", "ModelConfig", "StepOutput", "WideShape", "byte_count",
-    "final_norm", "forward", "init_cache", "init_params", "load_pretrained", "logits_from_hidden",
-    "prefill", "save_pretrained", "step", "unembedding", "widen", "write_cache",
+    "KVCache", "ModelConfig", "StepOutput", "final_norm", "forward", "init_cache", "init_params",
+    "load_pretrained", "logits_from_hidden", "prefill", "save_pretrained", "step", "unembedding",
+    "write_cache",
 ]

@@ -19,22 +19,19 @@ the attention implementation. Parameters are the ``params`` collection of :class
 (layers stacked on a leading axis by ``nn.scan``; ``unstack_layers`` slices them once outside a
 loop); dense kernels are stored [in, out].
 
-Two ways through the layers (:class:`LayerLoop`; docs/benchmarks.md, "Compile time"): unrolled over
-per-layer weight slices (one copy of the block per program part; inside a decode ``while_loop`` the
-slices are loop invariants, so no weight is copied per step) or a ``lax.scan`` over the stacked
+Two ways through the layers (``layer_loop.LayerLoop``; docs/benchmarks.md, "Compile time"): unrolled
+over per-layer weight slices (one copy of the block per program part; inside a decode ``while_loop``
+the slices are loop invariants, so no weight is copied per step) or a ``lax.scan`` over the stacked
 weights (one copy of the block, so compile time does not grow with depth; XLA on CPU copies each
-layer's weights out of the stack on every pass). Forwards without a cache (prefill, ``forward``,
-the trainer's log-probs) follow ``LayerLoop.full``; steps over a cache follow the cache's layout,
-which ``init_cache`` takes from ``LayerLoop.cached``: a tuple of per-layer buffers runs unrolled,
-one stacked [B, Ly, L, Hkv, Dh] buffer runs the scan. The policy is read when a function is traced.
+layer's weights out of the stack on every pass). Forwards without a cache (prefill, ``forward``, the
+trainer's log-probs) follow ``LayerLoop.full``; steps over a cache follow the cache's layout, which
+``init_cache`` takes from ``LayerLoop.cached``: a tuple of per-layer buffers runs unrolled, one
+stacked [B, Ly, L, Hkv, Dh] buffer runs the scan. The policy is read when a function is traced.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import math
-import os
 
 import flax.linen as nn
 import flax.struct
@@ -45,67 +42,7 @@ from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models.config import ModelConfig
-
-LAYER_LOOPS = ("unroll", "scan")
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerLoop:
-  """How the decoder runs its layers: "unroll" (per-layer weight slices) or "scan" (``lax.scan``
-  over the stacked weights).
-
-  full: forwards without a KV cache (``prefill``, ``forward``, the trainer's log-probs); each runs
-  once per program, so the scan's per-layer weight copy is small next to the work on T tokens.
-  cached: the layout ``init_cache`` makes, and with it the loop of every step over that cache
-  (``append_step``, tree verification): "unroll" per-layer buffers, "scan" one stacked buffer.
-  """
-
-  full: str = "scan"
-  cached: str = "unroll"
-
-  def __post_init__(self):
-    for name in ("full", "cached"):
-      v = getattr(self, name)
-      if v not in LAYER_LOOPS:
-        raise ValueError(f"LayerLoop.{name} must be one of {LAYER_LOOPS}, got {v!r}")
-
-  @classmethod
-  def resolve(cls, loop: str | LayerLoop) -> LayerLoop:
-    """A ``LayerLoop`` from "unroll" / "scan" (both parts alike) or a ``LayerLoop`` (as is)."""
-    if isinstance(loop, LayerLoop):
-      return loop
-    if loop not in LAYER_LOOPS:
-      raise ValueError(f"layer loop must be one of {LAYER_LOOPS} or a LayerLoop, got {loop!r}")
-    return cls(full=loop, cached=loop)
-
-
-def _from_environment() -> LayerLoop:
-  name = os.environ.get("SPECROLL_LAYER_LOOP")
-  if not name:
-    return LayerLoop()
-  if name not in LAYER_LOOPS:
-    raise ValueError(f"SPECROLL_LAYER_LOOP must be one of {LAYER_LOOPS} or unset, got {name!r}")
-  return LayerLoop.resolve(name)
-
-
-_POLICY = [_from_environment()]
-
-
-def layer_loop_policy() -> LayerLoop:
-  """The current policy (``SPECROLL_LAYER_LOOP=unroll|scan`` sets both parts at import)."""
-  return _POLICY[0]
-
-
-@contextlib.contextmanager
-def layer_loop(loop: str | LayerLoop):
-  """Trace under another policy inside the ``with`` block. A program already compiled keeps the
-  loop it was traced with (``jax.jit`` caches by static arguments, not by this policy)."""
-  previous = _POLICY[0]
-  _POLICY[0] = LayerLoop.resolve(loop)
-  try:
-    yield _POLICY[0]
-  finally:
-    _POLICY[0] = previous
+from specroll_jax.models.layer_loop import LAYER_LOOPS, layer_loop_policy
 
 
 @flax.struct.dataclass

@@ -1,9 +1,8 @@
 """Proposers: what proposes each row's candidate tree (``base`` holds the interface, ``Tree`` and
 its rules are in ``specroll_jax.tree``; docs/design.md, "Proposers").
 
-Fixed-shape proposers: ``HeadsProposer`` (static future-token heads), ``PromptLookup`` (n-gram copy
-from the row's own prompt + response; the group lookup's search on one segment) and
-``HeadsAndLookup`` (both merged into one tree; deprecated for ``Merged``). Ranked
+Fixed-shape proposers: ``HeadsProposer`` (static future-token heads) and ``PromptLookup`` (n-gram
+copy from the row's own prompt + response; the group lookup's search on one segment). Ranked
 proposers (``RankedProposer``: every candidate scored by its calibrated acceptance, the best kept
 within the row's budget): ``RankedHeads`` (Medusa or root-conditioned heads, expanded depth by
 depth), ``GroupLookup`` (the row's own text, its GRPO siblings' and earlier responses to the same
@@ -22,7 +21,7 @@ from specroll_jax.proposers.base import (
 )
 from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext
 from specroll_jax.proposers.heads import HeadsProposer
-from specroll_jax.proposers.lookup import HeadsAndLookup, LookupState, PromptLookup
+from specroll_jax.proposers.lookup import LookupState, PromptLookup
 from specroll_jax.proposers.merged import (
            Merged,
            MergedParams,
@@ -35,8 +34,8 @@ from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
 from specroll_jax.proposers.reflex_heads import ReflexParams, ReflexProposer
 from specroll_jax.tree import Tree
 
-__all__ = ["Feedback", "GroupLookup", "HeadsAndLookup", "HeadsParams", "HeadsProposer",
-           "LookupContext", "LookupState", "Merged", "MergedParams", "MergedReflex",
-           "MergedReflexParams", "MergedReflexStats", "PromptLookup", "ProposeInput", "Proposer",
-           "RankedHeads", "RankedProposer", "ReflexParams", "ReflexProposer", "RowsInit",
-           "RowsShared", "Target", "Tree", "TreeStats"]
+__all__ = ["Feedback", "GroupLookup", "HeadsParams", "HeadsProposer", "LookupContext",
+           "LookupState", "Merged", "MergedParams", "MergedReflex", "MergedReflexParams",
+           "MergedReflexStats", "PromptLookup", "ProposeInput", "Proposer", "RankedHeads",
+           "RankedProposer", "ReflexParams", "ReflexProposer", "RowsInit", "RowsShared", "Target",
+           "Tree", "TreeStats"]

@@ -1,4 +1,4 @@
-"""Prompt lookup (n-gram copy; "prompt lookup decoding") as a proposer, and its merge with heads.
+"""Prompt lookup (n-gram copy; "prompt lookup decoding") as a proposer.
 
 ``PromptLookup`` finds the latest earlier occurrence of the row's last n committed tokens (the root
 included; n from ``max_ngram`` down to ``min_ngram``, longest first) in the row's own prompt +
@@ -6,18 +6,13 @@ response and proposes the tokens that followed it as a chain. No FLOPs, no param
 solutions copy numbers and phrases from the question. Per-row state: the chain it proposed last and
 an adaptive chain length (one more than the prefix of its last chain that the target then sampled,
 within [min_chain, max_chain]), so a row whose copies keep failing proposes short chains and leaves
-the budget to other proposers.
-
-``HeadsAndLookup`` merges the heads' sparse tree and the lookup chain into one tree within each
-row's budget (identical paths shared; ``tree.merge_chain``). It is deprecated: ``Merged`` does the
-same job with every candidate ranked by its calibrated acceptance (and the group's and earlier
-responses besides the row's own text).
+the budget to other proposers. (``Merged`` puts the heads and the group-aware lookup in one tree,
+every candidate ranked by its calibrated acceptance.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import flax.struct
 import jax.numpy as jnp
@@ -27,7 +22,6 @@ from specroll_jax import tree as _tree
 from specroll_jax._fields import check_int
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.group_lookup import find_continuations, own_suffix
-from specroll_jax.proposers.heads import HeadsProposer
 from specroll_jax.results import Summed
 
 
@@ -38,14 +32,6 @@ class LookupStats(Summed):
   rows: Int[Array, ""]  # row-steps that proposed a chain
   tokens: Int[Array, ""]  # chain tokens proposed
   matched: Int[Array, ""]  # chain tokens the target committed
-
-
-@flax.struct.dataclass
-class PairStats(Summed):
-  """The statistics of two proposers merged into one tree (``HeadsAndLookup``)."""
-
-  heads: object
-  lookup: LookupStats
 
 
 @flax.struct.dataclass
@@ -139,57 +125,3 @@ class PromptLookup(Proposer):
     z = jnp.int32(0)
     return LookupStats(rows=z, tokens=z, matched=z)
 
-
-@dataclasses.dataclass(frozen=True)
-class HeadsAndLookup(Proposer):
-  """The heads' tree and the lookup chain merged into one tree per row. Parameters: (heads params,
-  ()); state: (heads state, lookup state)."""
-
-  heads: HeadsProposer = HeadsProposer()
-  lookup: PromptLookup = PromptLookup()
-
-  def __post_init__(self):
-    warnings.warn("HeadsAndLookup is deprecated: proposers.Merged puts the heads and the group "
-                  "lookup in one tree ranked by calibrated acceptance", DeprecationWarning,
-                  stacklevel=3)
-
-  @property
-  def max_depth(self) -> int:
-    return max(self.heads.max_depth, self.lookup.max_depth)
-
-  @property
-  def capacity(self) -> int:
-    return self.heads.capacity + self.lookup.capacity
-
-  @property
-  def feedback_topm(self) -> int:
-    return max(self.heads.feedback_topm, self.lookup.feedback_topm)
-
-  def validate(self, config, params) -> None:
-    if not isinstance(params, tuple) or len(params) != 2:
-      raise ValueError("HeadsAndLookup params must be a pair (heads params, ()), got "
-                       f"{type(params).__name__}")
-    self.heads.validate(config, params[0])
-    self.lookup.validate(config, params[1])
-
-  def init(self, target, params, rows):
-    return (self.heads.init(target, params[0], rows), self.lookup.init(target, params[1], rows))
-
-  def propose(self, target, params, state, inp, *, num_nodes):
-    if num_nodes == 0:
-      return _tree.root_only(inp.root), state
-    sh, sl = state
-    tr, sh = self.heads.propose(target, params[0], sh, inp,
-                                num_nodes=min(num_nodes, self.heads.capacity))
-    tr = _tree.pad(tr, num_nodes)
-    tokens, length = self.lookup.chain_for(sl, inp)
-    merged = _tree.merge_chain(tr, tokens, length, inp.budget, max_depth=self.max_depth)
-    return merged, (sh, sl.replace(chain=tokens, chain_len=length))
-
-  def update(self, target, params, state, fb):
-    sh, st_h = self.heads.update(target, params[0], state[0], fb)
-    sl, st_l = self.lookup.update(target, params[1], state[1], fb)
-    return (sh, sl), PairStats(heads=st_h, lookup=st_l)
-
-  def init_stats(self) -> PairStats:
-    return PairStats(heads=self.heads.init_stats(), lookup=self.lookup.init_stats())

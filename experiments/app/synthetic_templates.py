@@ -1,4 +1,4 @@
-"""The synthetic task's sentence templates and word lists (``data.synthetic`` draws from them).
+"""The synthetic task's sentence templates and word lists (``app.synthetic`` draws from them).
 
 A template is a name, its operations (one character per step), a question and one solution line
 per step. Placeholders: {name}, {friend}, {friend2} (distinct names); {he} {He} {him} {his} for

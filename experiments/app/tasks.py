@@ -8,8 +8,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from app import synthetic
 from specroll_jax._fields import check_int
-from specroll_jax.data import gsm8k, synthetic
+from specroll_jax.data import gsm8k
 
 TASKS = ("gsm8k", "synthetic", "mix")
 

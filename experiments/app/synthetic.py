@@ -27,9 +27,9 @@ import typing
 
 import numpy as np
 
+from app import synthetic_templates as _tpl
 from specroll_jax._fields import check_int, int_arg
 from specroll_jax.data import gsm8k
-from specroll_jax.data import synthetic_templates as _tpl
 
 TEMPLATE_NAMES = _tpl.TEMPLATE_NAMES
 

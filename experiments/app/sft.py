@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from specroll_jax import evaluation, models
+from app import evaluation
+from specroll_jax import models
 from specroll_jax.cache import cache_dir
 from specroll_jax.data import gsm8k
 from specroll_jax.models.tokenizer import Tokenizer, train_bpe

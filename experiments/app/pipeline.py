@@ -10,19 +10,20 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from app import sft
+from specroll_jax import assets, models, rollout
 from specroll_jax import cache as _cache
 from specroll_jax import heads as _heads
-from specroll_jax import models, rollout, sft
 from specroll_jax.data import gsm8k
 from specroll_jax.models.tokenizer import Tokenizer
 from specroll_jax.sampling import group_sample_ids
 
 
 def default_model_path(*, progress: bool = True) -> Path:
-  """The embedded default model: shipped in the package (``specroll_jax/assets/gsm8k-tiny``,
+  """The embedded default model: shipped in the package (``specroll_jax.assets.path()``,
   reproduced by ``experiments/build_default_model.py``); if a checkout lacks it, built once with
   the on-the-fly recipe (about 6 minutes on 2 CPU cores) and cached."""
-  shipped = Path(__file__).resolve().parent / "assets" / "gsm8k-tiny"
+  shipped = assets.path()
   if (shipped / "model.safetensors").exists():
     return shipped
   return sft.build_default_model(progress=progress)

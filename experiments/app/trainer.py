@@ -2,7 +2,7 @@
 trainer.step(state, batch)`` rolls the batch out, decodes and scores it on the host, runs the
 data-parallel train step and returns the new ``LoopState`` with a typed ``StepMetrics`` and the
 step's rows (``StepRows``). It writes nothing: checkpoints, traces, the metrics file and logging
-belong to the app around it (``grpo.loop.Run``). Goodput, Reflex and the slow path live inside the
+belong to the app around it (``app.loop.Run``). Goodput, Reflex and the slow path live inside the
 ``SpecRoll`` object whose state ``LoopState.specroll`` carries.
 
 Several processes (``distributed.initialize``): every process holds the same global batch on the
@@ -22,16 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from specroll_jax import adaptation as _adapt
 from specroll_jax import rewards as _rewards
 from specroll_jax import rollout as _rollout
 from specroll_jax.grpo.loss import group_advantages
 from specroll_jax.grpo.step import AXIS, Batch, TrainState, make_train_step, place_state
 from specroll_jax.mesh import ModelMesh, make_mesh
-from specroll_jax.reports import SlowReport
 from specroll_jax.results import Rollout
-from specroll_jax.specroll import SpecRoll
-from specroll_jax.specroll_state import SpecRollState
+from specroll_jax.slow_path import BatchReport, SlowPathConfig
+from specroll_jax.specroll import SpecRoll, SpecRollReport, SpecRollState
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +51,7 @@ class StepBatch:
 @dataclasses.dataclass(frozen=True)
 class LoopState:
   """Everything a run carries from step to step: the train state (policy, optimizer, updates
-  done), the ``SpecRoll`` state (None for the vanilla and static-heads rollouts) and the index of
+  done), the ``SpecRoll`` state (None for the vanilla rollouts) and the index of
   the next step (the data position is ``step * prompts_per_step``)."""
 
   train: TrainState
@@ -106,7 +104,7 @@ class StepMetrics:
   reflex: str | None = None
   probe_seconds: float | None = None
   compile_seconds: float | None = None
-  slow: SlowReport | None = None
+  slow: BatchReport | None = None
   events: tuple[str, ...] = ()
   eval_accuracy: float | None = None
 
@@ -121,10 +119,8 @@ class StepMetrics:
     for k in ("head_acceptance", "nodes", "safety", "events"):
       d[k] = tuple(d.get(k) or ())
     if d.get("slow") is not None:
-      s = dict(d["slow"])
-      for k in ("heads", "kept", "rolled_back"):
-        s[k] = tuple(s.get(k) or ())
-      d["slow"] = SlowReport(**s)
+      s = {k: tuple(v) if isinstance(v, list) else v for k, v in d["slow"].items()}
+      d["slow"] = BatchReport(**s)
     names = {f.name for f in dataclasses.fields(cls)}
     return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -160,7 +156,7 @@ class Warmup:
 
 
 class GRPOTrainer:
-  """The step of a run (``grpo.loop.RunConfig``) with its fixed context: the model config, the
+  """The step of a run (``app.loop.RunConfig``) with its fixed context: the model config, the
   tokenizer, the compiled train step over the default mesh, the rollout (the ``SpecRoll`` object,
   the static heads or the vanilla engine) and this process's rows. Holds no state between calls
   but one timing: the last step's seconds, which the ``SpecRoll`` object's learning may spend a
@@ -194,12 +190,9 @@ class GRPOTrainer:
     self.rows_local = self._local_rows()
     # the replicated sharding of the train mesh (what the SpecRoll state is saved under)
     self.replicated = NamedSharding(self.train_step.mesh, PartitionSpec())
-    # "static-heads": the plain heads, proposing as SpecRoll's do with Reflex off or asleep
-    self.static = None
-    if run.rollout == "static-heads":
-      self.static = _adapt.heads_proposer(_adapt.AdaptationConfig(), heads)
-    self.sr = (specroll_for(run, config, prompt_width, self.rollout_mesh)
-               if run.rollout == "specroll" else None)
+    # "static-heads": SpecRoll with Reflex, the lookup and the slow path off (the heads alone)
+    self.sr = (None if run.rollout == "vanilla"
+               else specroll_for(run, config, prompt_width, self.rollout_mesh))
     self._heads = heads
     self._step_seconds = None  # the last step's (timing only: the heads' learning budget)
 
@@ -260,33 +253,31 @@ class GRPOTrainer:
     from jax.experimental import multihost_utils
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-  def rollout(self, params, batch: StepBatch,
-              sr_state: SpecRollState | None = None) -> tuple[Rollout, SpecRollState | None]:
+  def rollout(self, params, batch: StepBatch, sr_state: SpecRollState | None = None
+              ) -> tuple[Rollout, SpecRollReport | None, SpecRollState | None]:
     """The rollout of ``batch``'s rows through the ``SpecRoll`` object (with its state; returns
-    the next one), or the static heads or the vanilla engine (returns None)."""
+    its report and the next state), or the vanilla engine (no report, no state)."""
     run = self.run
     toks, lens, sids = batch.tokens, batch.lengths, batch.sample_ids
-    if run.rollout == "specroll":
+    if self.sr is not None:
       g = run.grpo.group_size
       prompts = [toks[i, : lens[i]] for i in range(0, len(toks), g)]
       return self.sr.generate(params, self.sr.batch(prompts, sids[::g] // g), sr_state,
                               seed=run.seed, step_seconds=self._step_seconds)
-    kw = dict(sampling=run.grpo.sampling, max_new_tokens=run.max_new_tokens, seed=run.seed,
-              sample_ids=sids, eos_ids=self.tok.eos_ids, prompt_lengths=lens)
-    opts = _rollout.DecodeOptions(cache_length=self.cache_length, kernels=run.kernels)
-    if run.rollout == "static-heads":
-      prop, pp = self.static
-      return _rollout.generate(self.config, params, toks, options=opts, **kw,
-                               speculation=_rollout.Speculation(prop, pp, run.spec)), None
-    opts = dataclasses.replace(opts, bucket_fractions=run.vanilla_buckets)
-    return _rollout.generate(self.config, params, toks, options=opts, **kw), None
+    opts = _rollout.DecodeOptions(cache_length=self.cache_length, kernels=run.kernels,
+                                  bucket_fractions=run.vanilla_buckets)
+    out = _rollout.generate(self.config, params, toks, options=opts,
+                            sampling=run.grpo.sampling, max_new_tokens=run.max_new_tokens,
+                            seed=run.seed, sample_ids=sids, eos_ids=self.tok.eos_ids,
+                            prompt_lengths=lens)
+    return out, None, None
 
   def warmup(self, state: LoopState, batch: StepBatch) -> Warmup:
     """Compile the rollout and the train step on ``batch`` without changing ``state`` (copies are
     used and discarded)."""
     b = batch.rows(self.rows_local)
     t0 = time.perf_counter()
-    out, _ = self.rollout(self.local(state.train.params), b, state.specroll)
+    out, _, _ = self.rollout(self.local(state.train.params), b, state.specroll)
     jax.block_until_ready(out.tokens)
     t_roll = time.perf_counter() - t0
     copy = jax.tree.map(jnp.array, state.train)
@@ -301,10 +292,9 @@ class GRPOTrainer:
     g = run.grpo.group_size
     b = batch.rows(self.rows_local)
     t_start = time.perf_counter()
-    out, sr_state = self.rollout(self.local(state.train.params), b, state.specroll)
+    out, report, sr_state = self.rollout(self.local(state.train.params), b, state.specroll)
     jax.block_until_ready(out.tokens)
     t_roll = time.perf_counter() - t_start
-    report = out.report
     adapt_s = 0.0 if report is None else report.host_seconds
     t0 = time.perf_counter()
     out_toks, out_lens = np.asarray(out.tokens), np.asarray(out.lengths)
@@ -323,7 +313,7 @@ class GRPOTrainer:
     adv = np.asarray(group_advantages(jnp.asarray(rewards), g, run.grpo.adv_eps))
     st = out.stats
     sr_kw = {}
-    if report is not None:  # what SpecRoll did (``reports.SpecRollReport``)
+    if report is not None:  # what SpecRoll did (``SpecRollReport``)
       sr_kw = dict(tau=report.tau, probe_tau=report.probe_tau, mode=report.mode,
                    nodes=tuple(report.nodes), head_acceptance=tuple(report.depth_acceptance),
                    safety=tuple(report.safety), reflex=report.reflex,
@@ -357,14 +347,19 @@ class GRPOTrainer:
 
 
 def specroll_for(run, config, prompt_width: int, mesh: ModelMesh | None = None) -> SpecRoll:
-  """The ``SpecRoll`` object of a run (``grpo.loop.RunConfig``): its sampling, group size and
+  """The ``SpecRoll`` object of a run (``app.loop.RunConfig``): its sampling, group size and
   lengths, the run's tree settings (``spec``; goodput or its fixed budget), Reflex and the slow
-  path, prompts padded to the run's fixed width (one shape: one compile)."""
+  path, prompts padded to the run's fixed width (one shape: one compile). ``rollout=
+  "static-heads"``: the heads alone (no Reflex, lookup, slow path or store; ``spec``'s fixed
+  budget)."""
+  static = run.rollout == "static-heads"
+  adapt = (dict(reflex=None, slow=SlowPathConfig(mode="off"), lookup=None, store_prompts=0)
+           if static else dict(reflex=run.reflex, slow=run.slow))
   return SpecRoll(config, max_new_tokens=run.max_new_tokens, sampling=run.grpo.sampling,
-                  group_size=run.grpo.group_size, reflex=run.reflex, slow=run.slow,
-                  records_per_batch=run.records_per_batch, spec=run.spec,
-                  budget="goodput" if run.goodput else "fixed", kernels=run.kernels,
-                  cost_nodes=run.cost_nodes, prompt_width=prompt_width, mesh=mesh)
+                  group_size=run.grpo.group_size, records_per_batch=run.records_per_batch,
+                  spec=run.spec, budget="goodput" if run.goodput and not static else "fixed",
+                  kernels=run.kernels, cost_nodes=run.cost_nodes, prompt_width=prompt_width,
+                  mesh=mesh, **adapt)
 
 
 __all__ = ["GRPOTrainer", "LoopState", "StepBatch", "StepMetrics", "StepResult", "StepRows",

@@ -1,6 +1,6 @@
-"""The host-scored GRPO training run on a GSM8K-format task (``data.tasks``: GSM8K, the synthetic
+"""The host-scored GRPO training run on a GSM8K-format task (``app.tasks``: GSM8K, the synthetic
 problems, or both): ``RunConfig`` (every default of the main job), the data order (``Prompts``)
-and the app ``Run`` around the pure step (``grpo.trainer``: rollout (jitted) -> decode text ->
+and the app ``Run`` around the pure step (``app.trainer``: rollout (jitted) -> decode text ->
 reward on the host -> data-parallel train step), with orbax checkpoints (SIGKILL-safe resume),
 tensorstore rollout traces and a metrics.jsonl line per step.
 
@@ -21,16 +21,10 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from specroll_jax import buckets as _buckets
-from specroll_jax import rollout as _rollout
-from specroll_jax._fields import check_float, check_int, check_type
-from specroll_jax.checkpoint import Checkpointer
-from specroll_jax.config import SpecConfig
-from specroll_jax.data import gsm8k
-from specroll_jax.data.tasks import Task
-from specroll_jax.grpo.config import GRPOConfig
-from specroll_jax.grpo.step import init_train_state, place_state
-from specroll_jax.grpo.trainer import (
+from app.checkpoint import Checkpointer
+from app.tasks import Task
+from app.traces import TraceWriter
+from app.trainer import (
   GRPOTrainer,
   LoopState,
   StepBatch,
@@ -38,12 +32,17 @@ from specroll_jax.grpo.trainer import (
   Warmup,
   specroll_for,
 )
+from specroll_jax import buckets as _buckets
+from specroll_jax import rollout as _rollout
+from specroll_jax._fields import check_float, check_int, check_type
+from specroll_jax.config import SpecConfig
+from specroll_jax.data import gsm8k
+from specroll_jax.grpo.config import GRPOConfig
+from specroll_jax.grpo.step import init_train_state, place_state
 from specroll_jax.reflex import ReflexConfig
 from specroll_jax.sampling import group_sample_ids
 from specroll_jax.slow_path import SlowPathConfig
-from specroll_jax.specroll import DEFAULT_COST_NODES, DEFAULT_REFLEX, SpecRoll
-from specroll_jax.specroll_state import SpecRollState
-from specroll_jax.traces import TraceWriter
+from specroll_jax.specroll import DEFAULT_COST_NODES, DEFAULT_REFLEX, SpecRoll, SpecRollState
 
 ROLLOUTS = ("vanilla", "specroll", "static-heads")
 
@@ -52,7 +51,7 @@ ROLLOUTS = ("vanilla", "specroll", "static-heads")
 class RunConfig:
   """One GRPO run on a task's train prompts. Every default of the main job lives here.
 
-  task: the problems (``data.tasks.Task``; GSM8K by default), scored by the GSM8K reward.
+  task: the problems (``app.tasks.Task``; GSM8K by default), scored by the GSM8K reward.
   prompts_per_step: P prompts per step, each sampled G = grpo.group_size times.
   rollout: "specroll" (the ``SpecRoll`` object: heads + group lookup + Reflex + slow path + goodput
     budgets), "static-heads" (the heads alone, fitted once) or "vanilla" (no speculation). All
@@ -61,8 +60,8 @@ class RunConfig:
   reflex, slow, records_per_batch: ``SpecRoll``'s Reflex (None: no corrections) and slow path
     (None: ``SlowPathConfig.for_model``), and the records it draws per batch.
   prompt_width: prompts are padded to this many tokens (fixed shapes: one compile); None: the
-    longest train prompt of the task under the tokenizer, rounded up to 16. Longer prompts are
-    refused.
+    longest train prompt of the task under the tokenizer padded as every entry pads
+    (``rollout.prompt_width``, within the model's positions). Longer prompts are refused.
   eval_every / eval_prompts: greedy accuracy on the first test prompts of the task every n steps
     (0: off).
   format_weight: reward bonus for a well-formed "#### N" line (the reward is 1 for a correct
@@ -115,7 +114,7 @@ class RunConfig:
       check_int(self, name, 1)
     for name in ("eval_every", "seed", "data_seed"):
       check_int(self, name, 0)
-    check_type(self, "task", Task, what="data.tasks.Task")
+    check_type(self, "task", Task, what="app.tasks.Task")
     if self.rollout not in ROLLOUTS:
       raise ValueError(f"RunConfig.rollout must be one of {ROLLOUTS}, got {self.rollout!r}")
     check_float(self, "format_weight", 0)
@@ -131,14 +130,14 @@ class Prompts:
   fixed width. ``batch(position, n)`` returns the n prompts from ``position`` on (wrapping around
   epochs; the global index ``position + i`` keeps growing, so sample ids never repeat)."""
 
-  def __init__(self, tok, *, data_seed: int, width: int | None, task: Task | None = None):
+  def __init__(self, tok, *, data_seed: int, width: int | None, task: Task | None = None,
+               limit: int | None = None):
     exs = (task or Task()).examples("train")
     self.order = np.random.default_rng(data_seed).permutation(len(exs))
     self.ids = tok.encode_batch([gsm8k.format_prompt(e.question) for e in exs])
     self.golds = [e.gold for e in exs]
     longest = max(map(len, self.ids))
-    self.width = (-(-longest // _rollout.PROMPT_BUCKET) * _rollout.PROMPT_BUCKET
-                  if width is None else int(width))
+    self.width = _rollout.prompt_width(longest, limit) if width is None else int(width)
     if longest > self.width:
       raise ValueError(f"prompt_width={self.width} is shorter than the longest train prompt "
                        f"({longest} tokens); use None or >= {longest}")
@@ -168,7 +167,8 @@ class Run:
     self.run, self.config, self.tok, self.log = run, config, tok, log
     self.out = Path(out_dir)
     self.out.mkdir(parents=True, exist_ok=True)
-    self.data = Prompts(tok, data_seed=run.data_seed, width=run.prompt_width, task=run.task)
+    self.data = Prompts(tok, data_seed=run.data_seed, width=run.prompt_width, task=run.task,
+                        limit=config.max_position_embeddings - run.max_new_tokens)
     self.trainer = GRPOTrainer(run, config, tok, heads, self.data.width)
     self.state = self.trainer.init(init_train_state(params, run.grpo))
     self.ckpt = Checkpointer(self.out / "checkpoints", max_to_keep=run.keep_checkpoints,
@@ -268,7 +268,7 @@ class Run:
   def evaluate(self, params=None) -> float:
     """Greedy strict accuracy on the first ``eval_prompts`` test prompts of the task (of the
     current policy, or of ``params``)."""
-    from specroll_jax import evaluation
+    from app import evaluation
     exs = self.run.task.examples("test")[: self.run.eval_prompts]
     res = evaluation.accuracy(self.config, self.local_params(params), self.tok, exs,
                               max_new_tokens=self.run.max_new_tokens,
