@@ -287,7 +287,7 @@ def main(argv=None):
   objs = {x: arm_specroll(ARMS[x], a, config, sampling=sampling, spec=spec,
                           num_heads=heads0.num_heads, prompt_width=width,
                           eos_ids=tuple(tok.eos_ids)) for x in a.arms}
-  # one GroupBatch per batch for every arm: the rows depend on settings the arms share
+  # one SpecRoll.batch per batch for every arm: the rows depend on settings the arms share
   batches = [objs[a.arms[0]].batch(p, ids) for p, ids in prompts]
 
   def vanilla(b, params):
@@ -296,7 +296,7 @@ def main(argv=None):
     out = rollout.generate(config, params, bt.tokens, sampling=sampling, seed=a.seed,
                            max_new_tokens=a.max_new_tokens, sample_ids=bt.sample_ids,
                            eos_ids=objs[a.arms[0]].eos_ids, prompt_lengths=bt.lengths,
-                           options=rollout.DecodeOptions(cache_length=bt.rows.cache_length,
+                           options=rollout.DecodeOptions(cache_length=bt.cache_length,
                                                          bucket_fractions=a.buckets and fractions))
     jax.block_until_ready(out.tokens)
     return out

@@ -161,7 +161,7 @@ def part_object(a, config, params, tok, shipped):
                                  sampling=sampling, max_new_tokens=m,
                                  sample_ids=batch.sample_ids, seed=a.seed, eos_ids=sr.eos_ids,
                                  options=rollout.DecodeOptions(
-                                     cache_length=batch.rows.cache_length))
+                                     cache_length=batch.cache_length))
         out, rep, _ = sr.generate(params, batch, sr.init(heads), seed=a.seed)
         same = bool((np.asarray(out.tokens) == np.asarray(ref.tokens)).all())
         executables.clear()  # each object compiles its own programs: free their code mappings

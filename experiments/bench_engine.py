@@ -17,7 +17,8 @@ median time is reported. Cases:
 * new version only: prompt lookup and ``Merged`` (the heads and the row's own-text lookup in one
   ranked tree) vs vanilla at T = 0, 0.7, 1.
 
-The shared cases pass ``speculation=Speculation.of_heads(...)``; a REF from before ``Speculation``
+The shared cases pass ``speculation=Speculation(HeadsProposer(...), heads, spec)`` (the static
+Medusa proposer every version has); a REF from before ``Speculation``
 (52ae761) took ``spec=`` and ``heads=`` instead, which the worker passes when the library it runs
 has no ``rollout.Speculation``.
 
@@ -95,7 +96,8 @@ def worker(job: dict) -> dict:
       if case["kind"] == "heads" and not hasattr(rollout, "Speculation"):  # a REF before it
         kw.update(spec=spec, heads=hd)
       elif case["kind"] == "heads":
-        kw.update(speculation=rollout.Speculation.of_heads(hd, spec))
+        from specroll_jax.proposers import HeadsProposer
+        kw.update(speculation=rollout.Speculation(HeadsProposer(num_heads=hd.num_heads), hd, spec))
       else:  # new version only
         from specroll_jax.proposers import Merged, PromptLookup
         prop = PromptLookup() if case["kind"] == "lookup" else Merged()

@@ -33,12 +33,11 @@ For each model, at the same B rows and N tree nodes per row:
     ``SlowPathConfig.for_small_models``, ``bench_adaptation.py``'s defaults),
     scaled from the measured ones, all in units of one verify forward of the same model.
 
-The static baseline is the plain Medusa heads' proposer (``HeadsProposer``, what
-``rollout.Speculation.of_heads`` runs for Medusa heads: the same heads and tree plan, no Reflex and
-no slow path); in (b) root-conditioned heads are not timed. In (d) the tiny model's slow path
-trains and reads its shipped root-conditioned heads (what the main job proposes with), and the
-refresh the main job runs is also timed whole (``SlowPathConfig.for_small_models``, one and two
-heads); the 1.5B shape's are random Medusa heads.
+The static baseline is the plain Medusa heads' proposer (``HeadsProposer``: the same heads and tree
+plan, no Reflex and no slow path); in (b) root-conditioned heads are not timed. In (d) the tiny
+model's slow path trains and reads its shipped root-conditioned heads (what the main job proposes
+with), and the refresh the main job runs is also timed whole (``SlowPathConfig.for_small_models``,
+one and two heads); the 1.5B shape's are random Medusa heads.
 
 Reflex's extra = Reflex proposer ms - static proposer ms; its share = extra / verify ms (topm 0).
 The 1.5B shape (hidden 1536, 28 layers, 12 / 2 heads, intermediate 8960, vocab 151936, tied

@@ -22,6 +22,7 @@ import numpy as np
 
 from app import cli, pipeline
 from specroll_jax import rollout
+from specroll_jax.proposers import HeadsProposer
 
 
 def main(argv=None):
@@ -64,8 +65,9 @@ def main(argv=None):
            "speedup": 1.0, "identical": True, "tokens": int(van_lens.sum()),
            "active_trace": [int((van_lens > f).sum()) for f in range(int(van_lens.max()))]}]
   for budget in a.budgets:
-    spec = rollout.Speculation.of_heads(
-        heads, rollout.SpecConfig(node_budget=budget, max_nodes=a.max_nodes))
+    spec = rollout.Speculation(  # the static Medusa proposer this table measures
+        HeadsProposer(num_heads=heads.num_heads), heads,
+        rollout.SpecConfig(node_budget=budget, max_nodes=a.max_nodes))
     out, t, _ = _common.timed(lambda spec=spec: rollout.generate(
         config, params, batch, speculation=spec, **kw), a.repeats)
     same = bool((np.asarray(out.tokens) == np.asarray(van.tokens)).all()

@@ -103,7 +103,7 @@ def part1(a, config, params, tok, heads, task, temperature):
                                    prompt_lengths=van_batch.lengths, max_new_tokens=m,
                                    sample_ids=van_batch.sample_ids, seed=s, eos_ids=base.eos_ids,
                                    options=rollout.DecodeOptions(
-                                       cache_length=van_batch.rows.cache_length))
+                                       cache_length=van_batch.cache_length))
   ref, t_van, c_van = _common.timed(lambda: van(a.seed), a.repeats)
   rows.append({"engine": "vanilla (compacting)", "seconds": t_van, "tau": 1.0,
                "compile_s": c_van, "forwards": int(ref.stats.forwards), "identical": True})

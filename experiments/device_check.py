@@ -193,6 +193,7 @@ def kernel_cases(interpret, dtypes=(BF16, F32)):
 def engine_cases(interpret):
   """Reference rollouts once per temperature, then the Pallas engine (vanilla, speculative)."""
   from specroll_jax import heads, models, rollout
+  from specroll_jax.proposers import HeadsProposer
 
   state = {}
 
@@ -224,7 +225,9 @@ def engine_cases(interpret):
     def case():
       spec = (rollout.SpecConfig(node_budget=16, bucket_fractions=(1.0,)) if interpret
               else rollout.SpecConfig.for_h200())
-      speculation = rollout.Speculation.of_heads(state["heads"], spec) if speculative else None
+      hd = state["heads"]  # Medusa heads through the static proposer the kernels' table measured
+      speculation = (rollout.Speculation(HeadsProposer(num_heads=hd.num_heads), hd, spec)
+                     if speculative else None)
       kernels = "pallas_interpret" if interpret else "pallas"
       with jax.default_matmul_precision("highest"):
         got = rollout.generate(state["config"], state["params"], state["prompts"],

@@ -94,7 +94,7 @@ def rollout_case(a, state, task, temperature):
     _, _, st = sr.generate(params, sr.batch(enc(warm), 10_000 + ids), st, seed=1)  # compiles
     state.setdefault("cost", sr.cost)
     batch = sr.batch(enc(exs), ids)
-    opts = rollout.DecodeOptions(cache_length=batch.rows.cache_length)
+    opts = rollout.DecodeOptions(cache_length=batch.cache_length)
     van = lambda: rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
                                    sample_ids=batch.sample_ids, sampling=sampling,
                                    max_new_tokens=a.max_new_tokens, seed=0, eos_ids=sr.eos_ids,
@@ -171,7 +171,7 @@ def mesh_case(a, state, m: int):
       return rollout.generate(config, p, batch.tokens, prompt_lengths=batch.lengths,
                               sample_ids=batch.sample_ids, sampling=sampling,
                               max_new_tokens=a.max_new_tokens, seed=0, eos_ids=sr.eos_ids,
-                              options=rollout.DecodeOptions(cache_length=batch.rows.cache_length,
+                              options=rollout.DecodeOptions(cache_length=batch.cache_length,
                                                             mesh=mesh))
     one, t_one, _ = _common.timed(lambda: van(params, None), 1)
     ref, t_van, c_van = _common.timed(lambda: van(sharded, mm), 1)

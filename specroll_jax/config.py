@@ -64,9 +64,6 @@ class SpecConfig:
   bucket_fractions: row counts of the compiled buckets as fractions of the batch, descending and
     starting at 1.0; rows move to the next bucket (compacted, KV cache and proposer state included)
     once no more rows than it holds are active.
-  num_heads, topk: the shorthand ``Speculation.of_heads(h, spec)`` builds the static-heads
-    proposer ``HeadsProposer(num_heads, topk)`` from these. topk has one entry per head
-    (candidates at each depth); None means (4, 3, 2, 2, ...)[:num_heads].
   nodes: nodes per row in each bucket, one entry per bucket fraction (what ``goodput.choose``
     picks from measured cost and acceptance); overrides node_budget / max_nodes (still capped by
     the proposer's capacity). 0 runs the plain decode step in that bucket.
@@ -81,27 +78,16 @@ class SpecConfig:
     runs the bucket's first (the plain step where it has 0). Excludes ``nodes`` and ``gate``.
   """
 
-  num_heads: int = 3
   node_budget: int = 64
   max_nodes: int = 16
-  topk: tuple[int, ...] | None = None
   bucket_fractions: tuple[float, ...] = _buckets.DEFAULT_FRACTIONS
   nodes: tuple[int, ...] | None = None
   gate: tuple[float | None, ...] | None = None
   choices: tuple[int, ...] | tuple[tuple[int, ...], ...] | None = None
 
   def __post_init__(self):
-    check_int(self, "num_heads", 1)
     check_int(self, "node_budget", 0)
     check_int(self, "max_nodes", 0)
-    topk = self.topk
-    if topk is None:
-      topk = (DEFAULT_TOPK + (DEFAULT_TOPK[-1],) * self.num_heads)[: self.num_heads]
-    topk = int_tuple(topk, "SpecConfig.topk", 1)
-    if len(topk) != self.num_heads:
-      raise ValueError(f"SpecConfig.topk has {len(topk)} entries {topk}, but num_heads="
-                       f"{self.num_heads} (one entry per head)")
-    object.__setattr__(self, "topk", topk)
     object.__setattr__(self, "bucket_fractions", _buckets.check_fractions(
         self.bucket_fractions, "SpecConfig.bucket_fractions"))
     nb = len(self.bucket_fractions)

@@ -36,7 +36,7 @@ from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_s
 from specroll_jax.kernels import Kernels
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
-from specroll_jax.proposers import HeadsProposer, Proposer, RankedHeads
+from specroll_jax.proposers import Proposer, RankedHeads
 from specroll_jax.results import Rollout, RolloutStats, SpecStats
 from specroll_jax.sampling import SamplingConfig
 from specroll_jax.speculative import speculative_rollout
@@ -59,14 +59,15 @@ def prompt_width(longest: int, limit: int | None = None) -> int:
   return width if limit is None else max(min(width, int(limit)), int(longest))
 
 
-def pad_prompts(prompts, width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def pad_prompts(prompts, width: int | None = None, *,
+                limit: int | None = None) -> tuple[np.ndarray, np.ndarray]:
   """(tokens int32 [B, W] right-padded with 0, lengths int32 [B]) of ragged token-id lists.
-  ``width`` None: ``prompt_width`` of the longest prompt; a fixed width (the same shapes for
-  every batch: one compile) must hold the longest prompt."""
+  ``width`` None: ``prompt_width(longest, limit)``; a fixed width (the same shapes for every
+  batch: one compile) must hold the longest prompt."""
   lens = np.array([len(p) for p in prompts], np.int32)
   longest = int(lens.max())
   if width is None:
-    width = prompt_width(longest)
+    width = prompt_width(longest, limit)
   elif longest > width:
     raise ValueError(f"width={width} is shorter than the longest prompt ({longest} tokens)")
   toks = np.zeros((len(prompts), int(width)), np.int32)
@@ -81,15 +82,42 @@ def pad_prompts(prompts, width: int | None = None) -> tuple[np.ndarray, np.ndarr
 
 @dataclasses.dataclass(frozen=True)
 class PreparedBatch:
+  """A validated, padded batch of prompt rows on the host: what every entry takes (the engines
+  through ``device(seed)``, ``SpecRoll`` with its groups, ``generate``). In GRPO shape
+  (``SpecRoll.batch``) the rows are each prompt's G rows, prompt-major, and ``prompt_ids`` [P]
+  holds the prompts' global ids (sample id = prompt id * G + member)."""
+
   tokens: np.ndarray  # [B, P] int32, right-padded
   lengths: np.ndarray  # [B] int32
   sample_ids: np.ndarray  # [B] int32
   eos_ids: np.ndarray  # [E] int32 (padded with -1)
   cache_length: int
+  prompt_ids: np.ndarray | None = None  # [B // G] int64 (None: rows without groups)
+  group_size: int = 1
 
   def device(self, seed: int) -> PromptBatch:
     """The batch on device with ``seed``: what ``engines.VanillaEngine`` / ``SpecEngine`` take."""
     return PromptBatch.from_prepared(self, seed)
+
+  def __len__(self) -> int:
+    return int(self.tokens.shape[0])
+
+  @property
+  def row_prompt_ids(self) -> np.ndarray:
+    """[B] each row's prompt id (GRPO shape only)."""
+    if self.prompt_ids is None:
+      raise ValueError("this batch has no prompt groups (SpecRoll.batch makes them)")
+    return np.repeat(self.prompt_ids, self.group_size)
+
+  def row_prompts(self, rows=slice(None)) -> list[np.ndarray]:
+    """Each row's prompt tokens (unpadded), for the rows ``rows``."""
+    return [self.tokens[i, : self.lengths[i]] for i in np.arange(len(self))[rows]]
+
+  def head(self, k: int) -> PreparedBatch:
+    """The first ``k`` rows (whole groups keep their prompt ids)."""
+    ids = None if self.prompt_ids is None else self.prompt_ids[: -(-k // self.group_size)]
+    return dataclasses.replace(self, tokens=self.tokens[:k], lengths=self.lengths[:k],
+                               sample_ids=self.sample_ids[:k], prompt_ids=ids)
 
 
 def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_lengths=None,
@@ -148,7 +176,8 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
       raise ValueError(
           f"prompts[{i}] holds token id {bad[0]} outside [0, vocab_size={config.vocab_size})")
   b = len(rows)
-  toks, lens = pad_prompts(rows, fixed_width)
+  toks, lens = pad_prompts(rows, fixed_width,
+                           limit=config.max_position_embeddings - int(max_new_tokens))
   if cache_length is None:  # the padded width + max_new_tokens: one shape per prompt bucket (a
     # batch whose longest prompt is shorter does not recompile), within the position limit
     need = int(lens.max()) + int(max_new_tokens)
@@ -228,7 +257,7 @@ _DEFAULT_SAMPLING = SamplingConfig()
 class Speculation:
   """The one way ``generate`` chooses a proposer: the proposer (settings), its parameters and the
   speculative engine's ``SpecConfig``. ``Speculation.of_heads(heads)`` is the static-heads
-  shorthand (``HeadsProposer`` for Medusa heads, ``RankedHeads`` for root-conditioned ones). For
+  shorthand (``RankedHeads`` over either head family, as ``SpecRoll`` ranks heads alone). For
   GRPO batches with Reflex, the slow path, calibration and goodput budgets, use
   ``specroll_jax.SpecRoll``."""
 
@@ -247,26 +276,26 @@ class Speculation:
       raise ValueError(f"Speculation.spec must be a SpecConfig, got {type(self.spec).__name__}")
 
   @classmethod
-  def of_heads(cls, heads, spec: SpecConfig | None = None) -> Speculation:
-    """Static future-token ``heads`` under ``spec`` (default: ``SpecConfig(num_heads=
-    heads.num_heads)``). Medusa heads (``heads.Heads``): ``HeadsProposer(spec.num_heads,
-    spec.topk)`` with the heads as its parameters. Root-conditioned heads
-    (``cond_heads.CondHeads``): ``RankedHeads`` with ``spec.topk`` candidates per depth, the best
-    2 partial paths extended below depth 1 (``ReflexConfig``'s default beams), at most
-    ``spec.max_nodes`` nodes, acceptance scored by the uncalibrated table (each bin's own q)."""
+  def of_heads(cls, heads, spec: SpecConfig | None = None, *,
+               tree: RankedHeads | None = None) -> Speculation:
+    """Static future-token ``heads`` (Medusa ``heads.Heads`` or root-conditioned
+    ``cond_heads.CondHeads``) proposing as ``SpecRoll`` proposes with them alone (Reflex, the
+    lookup and the slow path off): ``tree``, a ``proposers.RankedHeads`` (the tree's settings:
+    candidates per depth, beams, nodes; default ``RankedHeads.for_heads(heads.num_heads)``),
+    scored by its uncalibrated acceptance table, under ``spec`` (default ``SpecConfig()``)."""
     if heads is None:
       raise ValueError("Speculation.of_heads: heads is None; pass heads.init(...) or fitted heads")
     if spec is not None and not isinstance(spec, SpecConfig):
       raise ValueError(f"spec must be a SpecConfig, got {type(spec).__name__}")
-    spec = spec or SpecConfig(num_heads=heads.num_heads)
-    if not head_kinds.is_conditioned(heads):
-      return cls(HeadsProposer(num_heads=spec.num_heads, topk=spec.topk), heads, spec)
-    if heads.num_heads != spec.num_heads:
-      raise ValueError(f"heads has {heads.num_heads} heads but spec.num_heads={spec.num_heads}; "
-                       f"pass SpecConfig(num_heads={heads.num_heads}, ...)")
-    rh = RankedHeads(num_heads=spec.num_heads, topk=spec.topk,
-                     beams=(1,) + (2,) * (spec.num_heads - 1), max_nodes=spec.max_nodes)
-    return cls(rh, rh.params(heads), spec)
+    if not isinstance(heads, head_kinds.KINDS):
+      raise ValueError(f"heads must be heads.Heads or cond_heads.CondHeads, got "
+                       f"{type(heads).__name__}")
+    tree = RankedHeads.for_heads(heads.num_heads) if tree is None else tree
+    if not isinstance(tree, RankedHeads):
+      raise ValueError(f"tree must be a proposers.RankedHeads, got {type(tree).__name__}")
+    if heads.num_heads != tree.num_heads:
+      raise ValueError(f"heads has {heads.num_heads} heads but tree.num_heads={tree.num_heads}")
+    return cls(tree, tree.params(heads), spec or SpecConfig())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,7 +40,7 @@ def _vanilla(config, params, sr, batch, seed):
   return rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
                           sample_ids=batch.sample_ids, max_new_tokens=sr.max_new_tokens,
                           seed=seed, sampling=sr.sampling, eos_ids=list(sr.eos_ids),
-                          options=rollout.DecodeOptions(cache_length=batch.rows.cache_length))
+                          options=rollout.DecodeOptions(cache_length=batch.cache_length))
 
 
 @pytest.mark.parametrize("sampling", [

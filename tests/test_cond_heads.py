@@ -96,10 +96,11 @@ def test_cond_heads_validation(trained_model):
   ch = CH.init(jax.random.key(0), config, 2, width=8)
   with pytest.raises(ValueError, match="heads has 2 heads, expected 3"):
     RankedHeads().validate(config, RankedHeads().params(ch))
-  with pytest.raises(ValueError, match=r"heads has 2 heads but spec.num_heads=3"):
-    rollout.Speculation.of_heads(ch, SpecConfig())
-  prop = rollout.Speculation.of_heads(ch, SpecConfig(num_heads=2, max_nodes=5)).proposer
-  assert (prop.num_heads, prop.topk, prop.beams, prop.max_nodes) == (2, (4, 3), (1, 2), 5)
+  with pytest.raises(ValueError, match=r"heads has 2 heads but tree.num_heads=3"):
+    rollout.Speculation.of_heads(ch, SpecConfig(), tree=RankedHeads())
+  prop = rollout.Speculation.of_heads(ch, SpecConfig()).proposer
+  assert (prop.num_heads, prop.topk, prop.beams, prop.max_nodes) == (2, (4, 3), (1, 2), 16)
+  assert RankedHeads.for_heads(5).topk == (4, 3, 2, 2, 2)
   with pytest.raises(ValueError, match="acceptance has shape"):
     RankedHeads(num_heads=2, topk=(2, 2), beams=(1, 1)).validate(
         config, RankedHeads(num_heads=2, topk=(2, 2), beams=(1, 1)).params(ch, np.ones((3, 3))))
@@ -291,7 +292,7 @@ def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_pro
   ref = rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
                          sampling=cfg, max_new_tokens=40, seed=8, sample_ids=batch.sample_ids,
                          eos_ids=list(eos),
-                         options=rollout.DecodeOptions(cache_length=batch.rows.cache_length))
+                         options=rollout.DecodeOptions(cache_length=batch.cache_length))
   state = sr.init(ch)
   assert sr.has_reflex(state) and sr.reflex.conditioned  # Reflex on root-conditioned heads
   scfg = sr.slow

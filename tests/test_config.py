@@ -11,20 +11,9 @@ from specroll_jax.kernels import Kernels
 from specroll_jax.sampling import SamplingConfig
 
 
-def test_spec_config_topk_must_match_heads():
-  with pytest.raises(ValueError) as e:
-    SpecConfig(num_heads=3, topk=(4, 3))
-  msg = str(e.value)
-  assert "topk" in msg and "(4, 3)" in msg and "2 entries" in msg and "num_heads=3" in msg, msg
-  with pytest.raises(ValueError, match=r"topk has 3 entries \(4, 3, 2\), but num_heads=2"):
-    SpecConfig(num_heads=2, topk=(4, 3, 2))
-
-
 @pytest.mark.parametrize("kwargs,field,value", [
     (dict(node_budget=-1), "node_budget", "-1"),
     (dict(max_nodes=-2), "max_nodes", "-2"),
-    (dict(num_heads=0), "num_heads", "0"),
-    (dict(topk=(4, 0, 2)), "topk", "(4, 0, 2)"),
     (dict(bucket_fractions=(0.5, 0.25)), "bucket_fractions", "(0.5, 0.25)"),
     (dict(node_budget=2.5), "node_budget", "2.5"),
 ])
@@ -35,9 +24,7 @@ def test_spec_config_validation(kwargs, field, value):
 
 
 def test_spec_config_defaults_and_buckets():
-  assert SpecConfig().topk == (4, 3, 2)
-  assert SpecConfig(num_heads=2).topk == (4, 3) and SpecConfig(num_heads=5).topk == (4, 3, 2, 2, 2)
-  s = SpecConfig(num_heads=2, max_nodes=100)
+  s = SpecConfig(max_nodes=100)
   assert s.max_nodes == 100  # never rewritten; the per-bucket N is capped instead
   assert SpecConfig().bucket_shapes(8) == [(8, 8), (4, 16), (2, 16), (1, 16)]
   assert s.bucket_shapes(8, capacity=16) == [(8, 8), (4, 16), (2, 16), (1, 16)]

@@ -57,8 +57,8 @@ def test_static_heads_propose_as_specrolls_plain_heads(trained_model):
   assert static.params.heads is heads
   table = state.calibration.table().reshape(np.shape(static.params.acceptance))
   np.testing.assert_array_equal(np.asarray(static.params.acceptance), table)
-  with pytest.raises(ValueError, match="heads has 3 heads but spec.num_heads=2"):
-    rollout.Speculation.of_heads(heads, SpecConfig(num_heads=2))
+  with pytest.raises(ValueError, match="heads has 3 heads but tree.num_heads=2"):
+    rollout.Speculation.of_heads(heads, spec, tree=RankedHeads.for_heads(2))
   with pytest.raises(ValueError, match="heads is None"):
     rollout.Speculation.of_heads(None, spec)
 
@@ -115,7 +115,7 @@ def test_grpo_step_is_a_function_of_state_and_batch(trained_model, tmp_path):
   untimed = lambda m: {k: v for k, v in m.to_dict().items() if not k.endswith("_seconds")}
   assert untimed(a.metrics) == untimed(b.metrics)
   assert StepMetrics.from_dict(a.metrics.to_dict()) == a.metrics  # a metrics line round-trips
-  np.testing.assert_array_equal(a.rows.tokens, b.rows.tokens)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
   assert r.metrics_path.read_text() == "" and r.ckpt.latest_step() is None
   r.close()
 

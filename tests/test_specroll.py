@@ -36,7 +36,7 @@ def _vanilla(config, params, batch, seed):
   return rollout.generate(config, params, batch.tokens, prompt_lengths=batch.lengths,
                           sample_ids=batch.sample_ids, max_new_tokens=M, seed=seed,
                           sampling=rollout.SamplingConfig(temperature=1.0),
-                          options=rollout.DecodeOptions(cache_length=batch.rows.cache_length,
+                          options=rollout.DecodeOptions(cache_length=batch.cache_length,
                                                         bucket_fractions=(1.0,)))
 
 

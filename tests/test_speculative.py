@@ -8,7 +8,7 @@ from conftest import LONG
 
 from specroll_jax import heads as H
 from specroll_jax import models, rollout, sampling, tree, verify
-from specroll_jax.proposers import HeadsProposer
+from specroll_jax.proposers import HeadsProposer, RankedHeads
 from specroll_jax.rollout import DecodeOptions, SamplingConfig, SpecConfig, Speculation
 
 
@@ -64,8 +64,8 @@ CASES = [  # (sampling, spec, which heads)
                  "random", marks=pytest.mark.slow),
     pytest.param(SamplingConfig(temperature=1.0), SpecConfig(node_budget=0), "fitted",
                  marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=0.7), SpecConfig(node_budget=16, topk=(2, 2, 2)),
-                 "random", marks=LONG),
+    pytest.param(SamplingConfig(temperature=0.7), SpecConfig(node_budget=16), "random-narrow",
+                 marks=LONG),
 ]
 
 
@@ -78,11 +78,12 @@ def test_speculative_equals_vanilla(trained_model, gsm8k_prompts, fitted_heads, 
             eos_ids=tok.eos_ids)
   ref = rollout.generate(config, params, prompts, **kw)
   hd = fitted_heads if which == "fitted" else random_heads
-  got = rollout.generate(config, params, prompts, speculation=Speculation.of_heads(hd, spec),
-                         **kw)
+  tree = RankedHeads(topk=(2, 2, 2)) if which == "random-narrow" else None
+  speculation = Speculation.of_heads(hd, spec, tree=tree)
+  got = rollout.generate(config, params, prompts, speculation=speculation, **kw)
   _assert_same(ref, got)
   st = got.stats
-  assert_stats_invariants(got, spec.bucket_shapes(8, HeadsProposer(3, spec.topk).capacity))
+  assert_stats_invariants(got, spec.bucket_shapes(8, speculation.proposer.capacity))
   if spec.node_budget == 0:
     assert st.tokens_per_forward == pytest.approx(1.0)
     assert int(st.nodes_verified) == 0
@@ -195,8 +196,6 @@ def test_bad_spec_input(trained_model, random_heads):
   config, params, _ = trained_model
   with pytest.raises(ValueError, match="node_budget must be an int >= 0, got -1"):
     SpecConfig(node_budget=-1)
-  with pytest.raises(ValueError, match=r"topk has 2 entries \(4, 3\), but num_heads=3"):
-    SpecConfig(topk=(4, 3))
   other = models.ModelConfig.tiny(vocab_size=config.vocab_size + 1,
                                   hidden_size=config.hidden_size)
   with pytest.raises(ValueError, match=f"vocab_size {config.vocab_size + 1} does not match"):
@@ -207,9 +206,10 @@ def test_bad_spec_input(trained_model, random_heads):
                                        f"{config.hidden_size}"):
     rollout.generate(config, params, [[1, 2]], max_new_tokens=4,
                      speculation=Speculation.of_heads(H.init(jax.random.key(0), wide, 3)))
-  with pytest.raises(ValueError, match="heads has 3 heads but SpecConfig.num_heads is 2"):
-    rollout.generate(config, params, [[1, 2]], max_new_tokens=4, speculation=Speculation.of_heads(
-        random_heads, SpecConfig(num_heads=2, topk=(2, 2))))
+  with pytest.raises(ValueError, match="heads has 3 heads but tree.num_heads=2"):
+    Speculation.of_heads(random_heads, tree=RankedHeads.for_heads(2))
+  with pytest.raises(ValueError, match="tree must be a proposers.RankedHeads, got HeadsProposer"):
+    Speculation.of_heads(random_heads, tree=HeadsProposer())
   with pytest.raises(ValueError, match="Speculation.of_heads: heads is None"):
     Speculation.of_heads(None, SpecConfig())
   with pytest.raises(ValueError, match="spec must be a SpecConfig, got dict"):

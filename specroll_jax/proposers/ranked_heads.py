@@ -34,7 +34,7 @@ from specroll_jax import cond_heads as _cond
 from specroll_jax import heads as _heads
 from specroll_jax import sampling as _sampling
 from specroll_jax import tree as _tree
-from specroll_jax._fields import check_bool, check_int, int_tuple
+from specroll_jax._fields import check_bool, check_int, int_arg, int_tuple
 from specroll_jax.models import decoder as _dec
 from specroll_jax.proposers.base import coupled_with
 from specroll_jax.proposers.ranked import RankedProposer, log_table
@@ -99,6 +99,13 @@ class RankedHeads(RankedProposer):
     for name in ("max_nodes", "q_bins"):
       check_int(self, name, 1, owner="RankedHeads")
     check_bool(self, "coupled", owner="RankedHeads")
+
+  @classmethod
+  def for_heads(cls, num_heads: int, **kw) -> RankedHeads:
+    """The default tree for ``num_heads`` heads: (4, 3, 2, 2, ...) candidates per depth, the
+    best 2 partial paths extended below depth 1."""
+    k = int_arg(num_heads, "num_heads", 1)
+    return cls(num_heads=k, topk=((4, 3) + (2,) * k)[:k], beams=(1,) + (2,) * (k - 1), **kw)
 
   @property
   def max_depth(self) -> int:

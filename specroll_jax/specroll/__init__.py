@@ -10,7 +10,6 @@ from specroll_jax.specroll.core import (
 )
 from specroll_jax.specroll.report import SpecRollReport
 from specroll_jax.specroll.state import (
-  GroupBatch,
   Mapped,
   Mode,
   Plan,
@@ -18,5 +17,5 @@ from specroll_jax.specroll.state import (
   SpecRollState,
 )
 
-__all__ = ["BUDGETS", "DEFAULT_COST_NODES", "DEFAULT_REFLEX", "GroupBatch",
+__all__ = ["BUDGETS", "DEFAULT_COST_NODES", "DEFAULT_REFLEX",
            "Mapped", "Mode", "Plan", "ReflexMode", "SpecRoll", "SpecRollReport", "SpecRollState"]

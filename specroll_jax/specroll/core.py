@@ -68,7 +68,6 @@ from specroll_jax.specroll.fold import Folding
 from specroll_jax.specroll.programs import Programs
 from specroll_jax.specroll.report import SpecRollReport
 from specroll_jax.specroll.state import (
-  GroupBatch,
   Mode,
   SpecRollState,
   fingerprint,
@@ -403,7 +402,7 @@ class SpecRoll(Programs, Folding):
 
   # -- batches
 
-  def batch(self, prompts, prompt_ids) -> GroupBatch:
+  def batch(self, prompts, prompt_ids) -> PreparedBatch:
     """P prompts (token-id lists, or a padded [P, W] array) with their global prompt ids [P]
     (distinct ints >= 0, e.g. the data position): each repeated G times (host checks: ValueError
     naming the argument)."""
@@ -421,14 +420,16 @@ class SpecRoll(Programs, Folding):
     if self.prompt_width is not None and longest > self.prompt_width:
       raise ValueError(f"a prompt has {longest} tokens, more than prompt_width="
                        f"{self.prompt_width}")
-    prepared = prepare_batch(self.config, pad_prompts(rows, self.prompt_width)[0] if rows else
-                             np.zeros((0, MIN_PROMPT_WIDTH), np.int32),
+    room = self.config.max_position_embeddings - self.max_new_tokens
+    padded = (pad_prompts(rows, self.prompt_width, limit=room)[0] if rows
+              else np.zeros((0, MIN_PROMPT_WIDTH), np.int32))
+    prepared = prepare_batch(self.config, padded,
                              max_new_tokens=self.max_new_tokens,
                              prompt_lengths=np.asarray([len(r) for r in rows]),
                              sample_ids=group_sample_ids(ids, g), eos_ids=self.eos_ids)
-    return GroupBatch(rows=prepared, prompt_ids=ids.astype(np.int64), group_size=g)
+    return dataclasses.replace(prepared, prompt_ids=ids.astype(np.int64), group_size=g)
 
-  def generate(self, params, batch: GroupBatch, state: SpecRollState, *, seed: int = 0,
+  def generate(self, params, batch: PreparedBatch, state: SpecRollState, *, seed: int = 0,
                step_seconds: float | None = None
                ) -> tuple[Rollout, SpecRollReport, SpecRollState]:
     """Roll ``batch`` out under ``params`` and fold what it measured into the state. Returns
@@ -441,8 +442,9 @@ class SpecRoll(Programs, Folding):
     self.check_state(state)
     if step_seconds is not None:
       step_seconds = float_arg(step_seconds, "step_seconds", 0)
-    if not isinstance(batch, GroupBatch):
-      raise ValueError(f"batch must be a GroupBatch (SpecRoll.batch), got {type(batch).__name__}")
+    if not isinstance(batch, PreparedBatch) or batch.prompt_ids is None:
+      raise ValueError("batch must be SpecRoll.batch's (a PreparedBatch in GRPO shape), got "
+                       f"{type(batch).__name__}")
     if batch.group_size != self.group_size:
       raise ValueError(f"batch has group_size {batch.group_size}, this SpecRoll "
                        f"{self.group_size}")

@@ -22,10 +22,10 @@ from specroll_jax import trainer_records as _trainer_records
 from specroll_jax.proposers import MergedReflexStats
 from specroll_jax.proposers.ranked import TreeStats
 from specroll_jax.results import Rollout
+from specroll_jax.rollout import PreparedBatch
 from specroll_jax.slow_path import BatchReport
 from specroll_jax.specroll.report import SpecRollReport
 from specroll_jax.specroll.state import (
-  GroupBatch,
   Mode,
   Plan,
   ReflexMode,
@@ -37,7 +37,7 @@ from specroll_jax.specroll.state import (
 class Folding:
   """``SpecRoll``'s after-batch methods (mixed into the object; they read its settings)."""
 
-  def update(self, params, state: SpecRollState, batch: GroupBatch, plan: Plan, out: Rollout,
+  def update(self, params, state: SpecRollState, batch: PreparedBatch, plan: Plan, out: Rollout,
              spec: Rollout | None, seconds: float, *, seed: int = 0,
              probe_tau: float | None = None, probe_seconds: float = 0.0,
              compile_seconds: float = 0.0,
@@ -125,7 +125,7 @@ class Folding:
         choice=plan.choice, events=tuple(events))
     return rep, new
 
-  def draw_records(self, params, state: SpecRollState, batch: GroupBatch, hidden, tokens,
+  def draw_records(self, params, state: SpecRollState, batch: PreparedBatch, hidden, tokens,
                    lengths, seed: int):
     """``records_per_batch`` records of the slow path from a rollout of the batch's first rows
     (``hidden`` [R, M, D], its ``tokens`` and ``lengths``; never more anchors than the R x M the
@@ -139,7 +139,7 @@ class Folding:
         num_anchors=min(self.records_per_batch, rows * m), seed=seed,
         sample_ids=batch.sample_ids[:rows])
 
-  def _slow_path(self, params, state: SpecRollState, batch: GroupBatch, out: Rollout, seconds,
+  def _slow_path(self, params, state: SpecRollState, batch: PreparedBatch, out: Rollout, seconds,
                  seed, step_seconds=None):
     """Records drawn from the anchor hidden states of ``out`` (the rollout of the batch's first
     rows that verified trees: all of them, or a probe's; every process's), then the slow path's

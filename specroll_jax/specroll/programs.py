@@ -22,13 +22,11 @@ from specroll_jax.engines import SpecEngine, VanillaEngine
 from specroll_jax.proposers import MergedReflex
 from specroll_jax.rollout import PreparedBatch
 from specroll_jax.specroll.state import (
-  GroupBatch,
   Mapped,
   Mode,
   Plan,
   ReflexMode,
   SpecRollState,
-  head_rows,
   with_table,
 )
 
@@ -36,7 +34,7 @@ from specroll_jax.specroll.state import (
 class Programs:
   """``SpecRoll``'s planning and compiling methods (they read the object's settings)."""
 
-  def plan(self, state: SpecRollState, batch: GroupBatch, *, probe: bool | None = None,
+  def plan(self, state: SpecRollState, batch: PreparedBatch, *, probe: bool | None = None,
            reflex: str | None = None, trees: bool = False) -> Plan:
     """How the next batch runs: the proposer (Reflex awake, asleep or off), the nodes per bucket
     (goodput's choice or ``spec``'s budget) and whether it probes (``probe`` / ``reflex``
@@ -77,7 +75,7 @@ class Programs:
     return Plan(mode=Mode.PROBE, spec=fixed, proposer=prop, probe_rows=rows, reflex=reflex,
                 choice=choice)
 
-  def proposer_params(self, state: SpecRollState, batch: GroupBatch, plan: Plan, rows=None):
+  def proposer_params(self, state: SpecRollState, batch: PreparedBatch, plan: Plan, rows=None):
     """The parameters ``plan.proposer`` takes for ``batch`` (rows ``rows``: a slice, or all)."""
     prop = plan.proposer
     sel = slice(None) if rows is None else rows
@@ -147,10 +145,10 @@ class Programs:
   def _records_on(self) -> bool:
     return self.proposer is None and self.slow.mode != "off"
 
-  def _calls(self, params, batch: GroupBatch, state, plan: Plan, seed: int):
+  def _calls(self, params, batch: PreparedBatch, state, plan: Plan, seed: int):
     """(engine, its arguments) of every program ``plan`` runs: the whole batch's, then a
     probe's (its first rows through the speculative engine; their tokens are the same)."""
-    rows = batch.rows
+    rows = batch
     if plan.mode == Mode.SPECULATIVE:
       pp = self.proposer_params(state, batch, plan)
       plan.proposer.validate_batch(self.config, pp, rows.tokens, rows.lengths, rows.sample_ids)
@@ -160,14 +158,14 @@ class Programs:
       return [(self.engine(plan, rows, speculative=True), args)]
     calls = [(self.engine(plan, rows, speculative=False), (params, self._device(rows, seed)))]
     if plan.mode == Mode.PROBE:
-      head = head_rows(rows, plan.probe_rows)
+      head = rows.head(plan.probe_rows)
       pp = self.proposer_params(state, batch, plan, slice(0, plan.probe_rows))
       plan.proposer.validate_batch(self.config, pp, head.tokens, head.lengths, head.sample_ids)
       calls.append((self.engine(plan, head, speculative=True),
                      (params, self._on_mesh(pp), self._device(head, seed))))
     return calls
 
-  def warmup(self, params, batch: GroupBatch, state: SpecRollState) -> float:
+  def warmup(self, params, batch: PreparedBatch, state: SpecRollState) -> float:
     """Compile every rollout program a batch of this shape can run on this machine (the vanilla
     one, the probes with Reflex awake and asleep, goodput's speculative program where a tree
     could pay at all on this machine, or the fixed budget's), without running any. Returns the
@@ -191,7 +189,7 @@ class Programs:
           warm += self._warm_records(params, batch, state, args[2].tokens.shape[0])
     return _exe.compile_seconds() - t0 + warm
 
-  def _warm_records(self, params, batch: GroupBatch, state: SpecRollState, rows: int) -> float:
+  def _warm_records(self, params, batch: PreparedBatch, state: SpecRollState, rows: int) -> float:
     """Compile the slow path's record builder for a rollout of ``rows`` rows (on zeros: what a
     batch that verifies trees on them hands it); returns the seconds."""
     if state.slow is None:
@@ -204,13 +202,13 @@ class Programs:
         jnp.zeros((rows, m, d), self.config.jnp_dtype), zeros(rows, m), zeros(rows), 0).valid)
     return time.perf_counter() - t0
 
-  def _trees_can_pay(self, state: SpecRollState, batch: GroupBatch) -> bool:
+  def _trees_can_pay(self, state: SpecRollState, batch: PreparedBatch) -> bool:
     """Whether goodput could give any bucket of this batch a tree on this machine (with every
     node accepted: ``_counts``)."""
     return any(max(c) > 0 for c in self._counts(self.cost, len(batch),
                                                 self._ranked(state.heads, False)))
 
-  def measure_cost(self, params, state: SpecRollState, batch: GroupBatch) -> _goodput.CostModel:
+  def measure_cost(self, params, state: SpecRollState, batch: PreparedBatch) -> _goodput.CostModel:
     """The step cost of this machine for the batch's largest and smallest bucket rows x
     ``cost_nodes`` (cached on disk per machine, model, proposer and shapes:
     ``goodput.measure_cost``); process 0's in every process."""
@@ -221,7 +219,7 @@ class Programs:
     kept = self.spec.bucket_shapes(len(batch), prop.capacity)
     rows = tuple(sorted({kept[0][0], kept[-1][0]}, reverse=True))
     settings = DecodeSettings(sampling=self.sampling, max_new_tokens=self.max_new_tokens,
-                              cache_length=batch.rows.cache_length,
+                              cache_length=batch.cache_length,
                               kernels=self.kernels_resolved)
     cost = _goodput.measure_cost(self.config, self.decoder_params(params), prop, pp, batch.tokens,
                                  batch.lengths, settings=settings,

@@ -1,6 +1,6 @@
-"""The types ``SpecRoll`` carries between its steps: the batch in GRPO shape, the state that
-outlives a batch (a pytree), the plan of one batch, an engine whose parameters are mapped inside
-its program, and where parameters are placed."""
+"""The types ``SpecRoll`` carries between its steps: the state that outlives a batch (a pytree),
+the plan of one batch, an engine whose parameters are mapped inside its program, and where
+parameters are placed."""
 
 from __future__ import annotations
 
@@ -23,43 +23,7 @@ from specroll_jax import store as _store
 from specroll_jax.config import SpecConfig
 from specroll_jax.proposers import Proposer
 from specroll_jax.reflex import ReflexGlobal
-from specroll_jax.rollout import PreparedBatch
 from specroll_jax.slow_path import SlowPathState
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupBatch:
-  """P prompts in GRPO shape: each prompt's G rows (prompt-major), sample id = prompt id * G +
-  member (``sampling.group_sample_ids``). ``rows``: the validated, padded rows."""
-
-  rows: PreparedBatch
-  prompt_ids: np.ndarray  # [P] int
-  group_size: int
-
-  @property
-  def tokens(self) -> np.ndarray:
-    """[P * G, W] right-padded prompt tokens of every row."""
-    return self.rows.tokens
-
-  @property
-  def lengths(self) -> np.ndarray:
-    return self.rows.lengths
-
-  @property
-  def sample_ids(self) -> np.ndarray:
-    return self.rows.sample_ids
-
-  @property
-  def row_prompt_ids(self) -> np.ndarray:
-    return np.repeat(self.prompt_ids, self.group_size)
-
-  def row_prompts(self, rows=slice(None)) -> list[np.ndarray]:
-    """Each row's prompt tokens (unpadded), for the rows ``rows``."""
-    idx = np.arange(len(self))[rows]
-    return [self.tokens[i, : self.lengths[i]] for i in idx]
-
-  def __len__(self) -> int:
-    return int(self.rows.tokens.shape[0])
 
 
 @flax.struct.dataclass
@@ -184,12 +148,6 @@ def with_table(params, table):
   return params
 
 
-def head_rows(rows: PreparedBatch, k: int) -> PreparedBatch:
-  """The first ``k`` rows of a prepared batch."""
-  return PreparedBatch(rows.tokens[:k], rows.lengths[:k], rows.sample_ids[:k], rows.eos_ids,
-                       rows.cache_length)
-
-
 def place(params, mesh=None):
   """The parameters on this process's first device (one placement for every call: a parameter
   tree that left a train step replicated over a mesh compiles no second rollout); with ``mesh``
@@ -210,5 +168,5 @@ def place(params, mesh=None):
   return jax.tree.map(one, params)
 
 
-__all__ = ["GroupBatch", "Mapped", "Mode", "Plan", "ReflexMode", "SpecRollState", "fingerprint",
-           "head_rows", "place", "structural", "with_table"]
+__all__ = ["Mapped", "Mode", "Plan", "ReflexMode", "SpecRollState", "fingerprint",
+           "place", "structural", "with_table"]
