@@ -25,9 +25,9 @@ import numpy as np
 from app import cli, pipeline
 from app.checkpoint import Checkpointer
 from app.tasks import Task
-from specroll_jax import cond_heads as CH
 from specroll_jax import rollout
 from specroll_jax.grpo.logprobs import trainer_hidden
+from specroll_jax.heads import conditioned as CH
 from specroll_jax.models import decoder as _dec
 from specroll_jax.progress import progress_range
 from specroll_jax.sampling import allowed_logits

@@ -75,11 +75,11 @@ from _drift_report import nan_to_none, plot, report
 from app import cli, pipeline
 from app import synthetic as _synthetic
 from app.tasks import Task
-from specroll_jax import cond_heads as CH
-from specroll_jax import executables as _exe
 from specroll_jax import rollout
-from specroll_jax import slow_path as SP
+from specroll_jax.adaptation import slow_path as SP
 from specroll_jax.data import gsm8k
+from specroll_jax.engines import executables as _exe
+from specroll_jax.heads import conditioned as CH
 from specroll_jax.progress import progress_range
 from specroll_jax.proposers import GroupLookup, RankedHeads
 from specroll_jax.specroll import DEFAULT_REFLEX, ReflexMode, SpecRoll

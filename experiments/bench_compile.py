@@ -40,10 +40,10 @@ from app import cli, pipeline
 from app.widen import QWEN25_SHAPES, WideShape, widen, widened_config
 from specroll_jax import engines, rollout
 from specroll_jax._machine import cpu_model
+from specroll_jax.adaptation.reflex import init_global
 from specroll_jax.grpo.logprobs import trainer_logprobs
 from specroll_jax.models import layer_loop
 from specroll_jax.proposers import GroupLookup, Merged, MergedReflex, RankedHeads
-from specroll_jax.reflex import init_global
 from specroll_jax.specroll import DEFAULT_REFLEX
 
 LOOPS = ("unroll", "mixed", "scan")

@@ -37,10 +37,11 @@ import numpy as np
 
 from app import cli, pipeline, tasks
 from app import draft_quality as DQ
-from specroll_jax import cond_heads as CH
-from specroll_jax import executables, rollout
-from specroll_jax.config import SpecConfig
+from specroll_jax import rollout
 from specroll_jax.data import gsm8k
+from specroll_jax.engines import executables
+from specroll_jax.engines.config import SpecConfig
+from specroll_jax.heads import conditioned as CH
 from specroll_jax.proposers import RankedHeads
 from specroll_jax.sampling import SamplingConfig, group_sample_ids
 from specroll_jax.specroll import SpecRoll

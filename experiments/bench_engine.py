@@ -73,8 +73,8 @@ def worker(job: dict) -> dict:
   """Run ``job["cases"]`` with the library on sys.path; returns timings per case."""
   import jax
 
-  from specroll_jax import heads as H
   from specroll_jax import models, rollout
+  from specroll_jax.heads import medusa as H
   from specroll_jax.models.tokenizer import Tokenizer
   config, params = models.load_pretrained(job["model"])
   tok = Tokenizer.from_pretrained(job["model"])
@@ -146,7 +146,7 @@ def _run_worker(tree: Path, job: dict, tmp: Path, tag: str) -> dict:
 
 def main(argv=None):
   from app import cli, pipeline
-  from specroll_jax import heads as H
+  from specroll_jax.heads import medusa as H
   ap = cli.ArgumentParser(description=__doc__)
   _common.add_shared_flags(ap, out="runs/bench_engine.json")
   ap.add_argument("--compare-to", default=None, help="git ref of the 'before' version")

@@ -37,10 +37,11 @@ import jax
 import numpy as np
 
 from app import cli, pipeline
-from specroll_jax import calibration, goodput, rollout
-from specroll_jax import cond_heads as CH
-from specroll_jax import store as S
-from specroll_jax.config import DecodeSettings
+from specroll_jax import rollout
+from specroll_jax.adaptation import calibration, goodput
+from specroll_jax.adaptation import store as S
+from specroll_jax.engines.config import DecodeSettings
+from specroll_jax.heads import conditioned as CH
 from specroll_jax.kernels import Kernels
 from specroll_jax.proposers import HeadsProposer, PromptLookup
 from specroll_jax.proposers.group_lookup import GroupLookup

@@ -158,7 +158,7 @@ def verify_cases(config, params, heads, *, rows: int, nodes: int, cache: int, nu
   import jax
   import jax.numpy as jnp
 
-  from specroll_jax import verify
+  from specroll_jax.engines import verify
   from specroll_jax.kernels import Kernels
   from specroll_jax.models import decoder as dec
   from specroll_jax.proposers import HeadsProposer
@@ -242,7 +242,7 @@ def open_gates(state, seed: int):
   import jax
   import jax.numpy as jnp
 
-  from specroll_jax import reflex
+  from specroll_jax.adaptation import reflex
   rows, shared = state
   f = rows.fast
   n, k, d = f.m.shape
@@ -259,7 +259,7 @@ def proposer_cases(config, params, heads, *, rows: int, nodes: int, cache: int, 
   propose + update for the static heads and the Reflex variants."""
   import jax.numpy as jnp
 
-  from specroll_jax import reflex
+  from specroll_jax.adaptation import reflex
   from specroll_jax.models import decoder as dec
   from specroll_jax.proposers import HeadsProposer, ReflexProposer
   from specroll_jax.proposers.base import RowsInit, Target
@@ -318,7 +318,7 @@ def random_reservoir(config, *, num_heads: int, capacity: int, support: int, can
   import jax
   import jax.numpy as jnp
 
-  from specroll_jax import records as R
+  from specroll_jax.adaptation import records as R
   k, c, v, d = num_heads, capacity, config.vocab_size, config.hidden_size
   keys = jax.random.split(jax.random.key(seed), 4)
   sup = jax.random.randint(keys[0], (k, c, support), 0, v, jnp.int32)
@@ -352,13 +352,13 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
   import jax
   import jax.numpy as jnp
 
-  from specroll_jax import head_kinds
-  from specroll_jax import slow_path as SP
-  from specroll_jax import trainer_records as TR
+  from specroll_jax.adaptation import slow_path as SP
+  from specroll_jax.adaptation import trainer_records as TR
+  from specroll_jax.adaptation.reflex import ReflexConfig
+  from specroll_jax.adaptation.slow_path import retrain
+  from specroll_jax.heads import kinds as head_kinds
   from specroll_jax.models import decoder as dec
-  from specroll_jax.reflex import ReflexConfig
   from specroll_jax.sampling import SamplingConfig
-  from specroll_jax.slow_path import retrain
   k = heads.num_heads
   cond = head_kinds.is_conditioned(heads)
   rc = ReflexConfig(num_heads=k, conditioned=cond)
@@ -413,7 +413,7 @@ def slow_path_cases(config, params, heads, *, records: int, anchors: int, seed: 
 def _replay_setting():
   """(records per head, steps, share of the records one step reads) of the replay's refresh:
   ``SlowPathConfig.for_small_models`` for 3 heads (1536, 10, 0.5 with ``step_chunks`` 2 of 4)."""
-  from specroll_jax import slow_path as SP
+  from specroll_jax.adaptation import slow_path as SP
   cfg = SP.SlowPathConfig.for_small_models()
   per_head = cfg.per_head(3)
   groups = SP.step_groups(cfg, per_head)
@@ -613,7 +613,7 @@ def main(argv=None):
 def bench_qwen(a) -> dict:
   import jax
 
-  from specroll_jax import heads as H
+  from specroll_jax.heads import medusa as H
   full = QWEN_1P5B["num_layers"]
   t0 = time.perf_counter()
   config, params = qwen_shaped(a.layers, a.dtype, a.seed)

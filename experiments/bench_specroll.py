@@ -48,8 +48,8 @@ import numpy as np
 from app import cli, pipeline, tasks
 from app.widen import QWEN25_SHAPES, widen
 from specroll_jax import rollout
+from specroll_jax.adaptation.slow_path import SlowPathConfig
 from specroll_jax.data import gsm8k
-from specroll_jax.slow_path import SlowPathConfig
 from specroll_jax.specroll import SpecRoll
 
 TASKS = ("synthetic", "gsm8k")

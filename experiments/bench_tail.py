@@ -32,9 +32,10 @@ import numpy as np
 
 from app import cli, pipeline, tasks
 from app.widen import QWEN25_SHAPES, byte_count, widen
-from specroll_jax import executables, rollout
-from specroll_jax.config import SpecConfig
+from specroll_jax import rollout
 from specroll_jax.data import gsm8k
+from specroll_jax.engines import executables
+from specroll_jax.engines.config import SpecConfig
 from specroll_jax.proposers import GroupLookup, Merged, RankedHeads
 from specroll_jax.specroll import SpecRoll
 

@@ -59,8 +59,8 @@ def fit_and_save_heads(path, *, seed: int = 1234, task=None) -> dict:
   import jax
 
   from app import pipeline
-  from specroll_jax import heads as H
   from specroll_jax import rollout
+  from specroll_jax.heads import medusa as H
   config, params, tok, _ = pipeline.load_model(path)
   t1 = rollout.SamplingConfig(temperature=1.0)
   tr = pipeline.self_rollouts(config, params, tok, num_prompts=128, max_new_tokens=256,
@@ -119,8 +119,8 @@ def fit_and_save_cond_heads(path, *, task=None, num_prompts: int = 2048, steps: 
   prompts of ``task`` (default GSM8K), written as ``cond_heads.safetensors``; returns their head-1
   quality on held-out rollouts (other prompts) against the target's own top-k mass."""
   from app import pipeline
-  from specroll_jax import cond_heads as CH
   from specroll_jax import rollout
+  from specroll_jax.heads import conditioned as CH
   config, params, tok, _ = pipeline.load_model(path)
   sampling = rollout.SamplingConfig(temperature=1.0)
   hd = pipeline.fitted_cond_heads(config, params, tok, path, num_prompts=num_prompts,

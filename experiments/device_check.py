@@ -192,7 +192,8 @@ def kernel_cases(interpret, dtypes=(BF16, F32)):
 
 def engine_cases(interpret):
   """Reference rollouts once per temperature, then the Pallas engine (vanilla, speculative)."""
-  from specroll_jax import heads, models, rollout
+  from specroll_jax import models, rollout
+  from specroll_jax.heads import medusa as heads
   from specroll_jax.proposers import HeadsProposer
 
   state = {}

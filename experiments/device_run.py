@@ -54,8 +54,8 @@ import numpy as np  # noqa: E402
 from app import cli, pipeline, tasks  # noqa: E402
 from app.widen import QWEN25_SHAPES, WideShape, byte_count, widen  # noqa: E402
 from specroll_jax import rollout  # noqa: E402
-from specroll_jax.config import SpecConfig  # noqa: E402
 from specroll_jax.data import gsm8k  # noqa: E402
+from specroll_jax.engines.config import SpecConfig  # noqa: E402
 from specroll_jax.specroll import SpecRoll  # noqa: E402
 
 # The tail-of-batch split sweep: (num_splits, block_l) per config, None = the kernel's default.

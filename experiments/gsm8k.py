@@ -49,8 +49,8 @@ from app.loop import ROLLOUTS, Run, RunConfig, read_metrics
 from app.tasks import TASKS, Task
 from app.widen import QWEN25_SHAPES, widen
 from specroll_jax import distributed, rollout
-from specroll_jax import slow_path as SP
-from specroll_jax.buckets import check_fractions
+from specroll_jax.adaptation import slow_path as SP
+from specroll_jax.engines.buckets import check_fractions
 from specroll_jax.grpo import OLD_POLICIES, GRPOConfig
 from specroll_jax.kernels import CHOICES as KERNEL_CHOICES
 from specroll_jax.progress import is_terminal
@@ -340,7 +340,7 @@ def main(argv=None):
   if a.dtype is not None and a.dtype != config.dtype and a.widen is None:
     config = config.replace(dtype=a.dtype)
     params = jax.tree.map(lambda x: x.astype(config.jnp_dtype), params)
-  from specroll_jax import head_kinds
+  from specroll_jax.heads import kinds as head_kinds
   if a.heads is not None:
     try:
       heads = head_kinds.load(a.heads)

@@ -37,11 +37,11 @@ from tunix.rl.rollout import base_rollout
 from app import cli, pipeline
 from app.tasks import Task
 from specroll_jax import rewards
-from specroll_jax.config import SpecConfig
+from specroll_jax.adaptation.slow_path import SlowPathConfig
 from specroll_jax.data import gsm8k
+from specroll_jax.engines.config import SpecConfig
 from specroll_jax.integrations import tunix as sr
 from specroll_jax.mesh import ModelMesh
-from specroll_jax.slow_path import SlowPathConfig
 
 FORMAT_WEIGHT = 0.1  # the reward's bonus for a well-formed "#### N" line (as experiments/gsm8k.py)
 

@@ -27,20 +27,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax import head_kinds
-from specroll_jax import speculative as _spec
 from specroll_jax._fields import int_arg
 from specroll_jax._fields import is_int as _is_int
-from specroll_jax.config import DecodeSettings, SpecConfig
 from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_seed
+from specroll_jax.engines import speculative as _spec
+from specroll_jax.engines.config import DecodeSettings, SpecConfig
+from specroll_jax.engines.results import Rollout, RolloutStats, SpecStats
+from specroll_jax.engines.speculative import speculative_rollout
+from specroll_jax.engines.vanilla import vanilla_rollout
+from specroll_jax.heads import kinds as head_kinds
 from specroll_jax.kernels import Kernels
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer, RankedHeads
-from specroll_jax.results import Rollout, RolloutStats, SpecStats
 from specroll_jax.sampling import SamplingConfig
-from specroll_jax.speculative import speculative_rollout
-from specroll_jax.vanilla import vanilla_rollout
 
 __all__ = ["DecodeOptions", "DecodeSettings", "Kernels", "PreparedBatch", "PromptBatch", "Rollout",
            "RolloutStats", "SamplingConfig", "SpecConfig", "SpecEngine", "SpecStats", "Speculation",

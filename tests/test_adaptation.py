@@ -13,11 +13,12 @@ import pytest
 from conftest import LONG
 
 from app.checkpoint import Checkpointer
-from specroll_jax import SpecRoll, reflex, rollout
-from specroll_jax import cond_heads as CH
-from specroll_jax import executables as _exe
-from specroll_jax import heads as H
-from specroll_jax import slow_path as SP
+from specroll_jax import SpecRoll, rollout
+from specroll_jax.adaptation import reflex
+from specroll_jax.adaptation import slow_path as SP
+from specroll_jax.engines import executables as _exe
+from specroll_jax.heads import conditioned as CH
+from specroll_jax.heads import medusa as H
 from specroll_jax.proposers import Merged, MergedReflex
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 

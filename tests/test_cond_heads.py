@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from conftest import LONG, head_slice, leaves_equal
 
-from specroll_jax import calibration, models, rollout
-from specroll_jax import cond_heads as CH
-from specroll_jax import heads as H
+from specroll_jax import models, rollout
+from specroll_jax.adaptation import calibration
+from specroll_jax.heads import conditioned as CH
+from specroll_jax.heads import medusa as H
 from specroll_jax.proposers.group_lookup import GroupLookup
 from specroll_jax.proposers.merged import Merged
 from specroll_jax.proposers.ranked_heads import RankedHeads
@@ -162,7 +163,7 @@ def _slices_equal(a, b, k) -> bool:
 def _held_out_and_train(cfg, config, params, heads, reservoir):
   """``slow_path.evaluate`` of the heads on the reservoir's held-out records and on the records a
   refresh trains on (the other valid ones)."""
-  from specroll_jax import slow_path as sp
+  from specroll_jax.adaptation import slow_path as sp
   held = jnp.asarray(sp.holdout_slots(cfg, reservoir.capacity))[None] & reservoir.valid
   return (sp.evaluate(cfg, config, params, heads, reservoir, held),
           sp.evaluate(cfg, config, params, heads, reservoir, reservoir.valid & ~held))
@@ -173,7 +174,7 @@ def _records(config, params, rollouts, capacity, source=None, support=16, candid
   root-conditioned heads: head i (0-based) at anchor j read tokens j..j+i (its path) and predicts
   token j+i+1. The target distribution there is the target's own (the unembedding of hidden at
   j+i+1) or, with ``source`` heads, their head i's; support = its top ids with the token on it."""
-  from specroll_jax.records import Records
+  from specroll_jax.adaptation.records import Records
   tokens, lengths, hidden = rollouts
   k = 3
   cols = {f: [] for f in ("hidden", "path", "token", "logits")}
@@ -218,8 +219,8 @@ def test_slow_path_refresh_of_root_conditioned_heads(trained_model, rollouts):
   their parameters and optimiser state bit for bit. Then held-out records that carry the
   refreshed heads' own distribution: any update raises their CE and TV, so a refresh of every
   head rolls all three back, leaving parameters and optimiser state bit-identical."""
-  from specroll_jax import records as records_lib
-  from specroll_jax import slow_path as sp
+  from specroll_jax.adaptation import records as records_lib
+  from specroll_jax.adaptation import slow_path as sp
   config, params, _ = trained_model
   cfg = sp.SlowPathConfig.for_tests(learning_rate=1e-2)
   ecfg = cfg.refresh_settings()  # what after_batch compiles the refresh with
@@ -277,8 +278,8 @@ def test_reflex_and_slow_path_on_root_conditioned_heads(trained_model, gsm8k_pro
   rolled-back or untouched head, and its optimiser state, are bit-identical to before; the
   counters add up. Over the two batches at least one head is kept and one rolled back."""
   from specroll_jax import SpecRoll
-  from specroll_jax.reflex import ReflexConfig
-  from specroll_jax.slow_path import SlowPathConfig
+  from specroll_jax.adaptation.reflex import ReflexConfig
+  from specroll_jax.adaptation.slow_path import SlowPathConfig
   config, params, tok = trained_model
   ch, _ = fitted
   cfg = SamplingConfig(temperature=0.7, top_p=0.9)

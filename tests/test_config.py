@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import pytest
 
-from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines.config import DecodeSettings, SpecConfig
 from specroll_jax.kernels import Kernels
 from specroll_jax.sampling import SamplingConfig
 

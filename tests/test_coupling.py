@@ -12,9 +12,9 @@ import pytest
 
 from app import draft_quality
 from pallas_kernels import fused_sampler as fs
-from specroll_jax import cond_heads as CH
-from specroll_jax import rollout, sampling, tree
-from specroll_jax.proposers import HeadsProposer, ProposeInput, RankedHeads, Target
+from specroll_jax import rollout, sampling
+from specroll_jax.heads import conditioned as CH
+from specroll_jax.proposers import HeadsProposer, ProposeInput, RankedHeads, Target, tree
 from specroll_jax.sampling import SamplingConfig
 
 CFGS = [SamplingConfig(temperature=1.0), SamplingConfig(temperature=0.7),
@@ -132,7 +132,7 @@ def _inp(r, d, seed=True):
 def test_heads_candidates_are_the_coupled_draws(random_model, kind):
   """Depth 1 of a coupled ranked / Medusa tree holds the heads' first coupled candidates at the
   root's next position; without the seed a coupled proposer refuses the input by name."""
-  from specroll_jax import heads as H
+  from specroll_jax.heads import medusa as H
   from specroll_jax.models import logits_from_hidden
   config, params = random_model
   cfg = SamplingConfig(temperature=1.0)

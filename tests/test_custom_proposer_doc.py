@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 from specroll_jax import SpecRoll, rollout
-from specroll_jax import tree as T
 from specroll_jax.proposers import GroupLookup, Proposer
+from specroll_jax.proposers import tree as T
 from specroll_jax.rollout import SpecConfig, Speculation
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "custom_proposer.md"

@@ -7,8 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import engines, executables, rollout
-from specroll_jax import heads as H
+from specroll_jax import engines, rollout
+from specroll_jax.engines import executables
+from specroll_jax.heads import medusa as H
 from specroll_jax.proposers import HeadsProposer
 from specroll_jax.sampling import SamplingConfig
 

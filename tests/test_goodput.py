@@ -9,8 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from specroll_jax import calibration, goodput, rollout
-from specroll_jax.config import DecodeSettings
+from specroll_jax import rollout
+from specroll_jax.adaptation import calibration, goodput
+from specroll_jax.engines.config import DecodeSettings
 from specroll_jax.kernels import Kernels
 from specroll_jax.proposers import TreeStats
 from specroll_jax.proposers.group_lookup import GroupLookup
@@ -211,8 +212,7 @@ def test_choices_run_any_node_count_per_bucket_from_one_program(trained_model, g
   given at run time (goodput's per batch), each exactly as the program compiled for that choice
   (the vanilla tokens; nodes verified only where the count is > 0); a count outside the choices
   runs the plain step; shapes are checked by name."""
-  from specroll_jax import executables
-  from specroll_jax.engines import SpecEngine
+  from specroll_jax.engines import SpecEngine, executables
   config, params, tok = trained_model
   prompts = [p for p in gsm8k_prompts[:4] for _ in range(2)]
   pb = rollout.prepare_batch(config, prompts, max_new_tokens=24, sample_ids=np.arange(8),

@@ -10,7 +10,7 @@ import pytest
 from conftest import LONG
 
 from specroll_jax import rollout
-from specroll_jax import store as S
+from specroll_jax.adaptation import store as S
 from specroll_jax.proposers.group_lookup import (
   PRIOR,
   SIBLING,

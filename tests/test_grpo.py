@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import Mesh
 
 from specroll_jax import grpo, models, rollout
-from specroll_jax import heads as H
+from specroll_jax.heads import medusa as H
 from specroll_jax.proposers import HeadsProposer
 from specroll_jax.sampling import SamplingConfig
 

@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from specroll_jax import cond_heads as CH
 from specroll_jax import models
+from specroll_jax.heads import conditioned as CH
 
 pytestmark = pytest.mark.slow  # the main job end to end, in subprocesses: minutes
 

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import heads as H
+from specroll_jax.heads import medusa as H
 from specroll_jax.models import ModelConfig, init_params, logits_from_hidden
 
 VOCAB = 64

@@ -389,8 +389,8 @@ class TestFusedSampler:
 def test_engine_with_kernels_equals_references(random_model, temperature):
   """Speculative (and vanilla) rollouts with the Pallas kernels forced on (interpret mode) give the
   same tokens as with the jnp references (through the engine's public entry point only)."""
-  from specroll_jax import heads as H
   from specroll_jax import rollout
+  from specroll_jax.heads import medusa as H
 
   config, params = random_model
   prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [3, 3]]

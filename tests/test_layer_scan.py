@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from specroll_jax import engines, rollout
-from specroll_jax import heads as H
+from specroll_jax.heads import medusa as H
 from specroll_jax.models import decoder, layer_loop
 from specroll_jax.proposers import HeadsProposer
 from specroll_jax.sampling import SamplingConfig

@@ -17,8 +17,9 @@ _SETUP = textwrap.dedent("""
     from pathlib import Path
     import jax, jax.numpy as jnp, numpy as np
     import specroll_jax
-    from specroll_jax import SpecRoll, cond_heads, engines, models, rollout, sampling
-    from specroll_jax import executables as exe
+    from specroll_jax import SpecRoll, engines, models, rollout, sampling
+    from specroll_jax.heads import conditioned as cond_heads
+    from specroll_jax.engines import executables as exe
     from specroll_jax.data import gsm8k
     from specroll_jax.kernels import Kernels
     from specroll_jax.mesh import ModelMesh, gathers_weights, collectives, make_mesh

@@ -278,7 +278,8 @@ def test_main_job_data_x_model_on_two_processes(tmp_path):
 
   import specroll_jax
   from app.widen import WideShape, widen
-  from specroll_jax import cond_heads, models
+  from specroll_jax import models
+  from specroll_jax.heads import conditioned as cond_heads
   asset = Path(specroll_jax.__file__).parent / "assets" / "gsm8k-tiny"
   config, params = models.load_pretrained(asset)
   shape = WideShape(hidden_size=192, num_layers=4, num_heads=6, num_kv_heads=2, head_dim=64,

@@ -30,7 +30,7 @@ def test_run_config_vanilla_buckets():
 def _heads(config):
   import jax
 
-  from specroll_jax import cond_heads as CH
+  from specroll_jax.heads import conditioned as CH
   heads = CH.init(jax.random.key(0), config, 3, width=32)
   return heads.replace(w_o=0.05 * jax.random.normal(jax.random.key(1), heads.w_o.shape))
 
@@ -40,9 +40,9 @@ def test_static_heads_propose_as_specrolls_plain_heads(trained_model):
   heads) is the tree of a SpecRoll with Reflex, lookup and slow path off: the same
   ``RankedHeads`` and, before any calibration, the same acceptance table."""
   from specroll_jax import SpecRoll, rollout
+  from specroll_jax.adaptation.slow_path import SlowPathConfig
   from specroll_jax.proposers import RankedHeads
   from specroll_jax.rollout import SpecConfig
-  from specroll_jax.slow_path import SlowPathConfig
 
   config, params, tok = trained_model
   heads = _heads(config)

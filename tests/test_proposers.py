@@ -10,8 +10,8 @@ import pytest
 from conftest import LONG
 
 from specroll_jax import rollout
-from specroll_jax import tree as T
 from specroll_jax.proposers import HeadsProposer, PromptLookup, Proposer
+from specroll_jax.proposers import tree as T
 from specroll_jax.proposers.lookup import find_continuation
 from specroll_jax.rollout import SamplingConfig, SpecConfig
 

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specroll_jax import heads as H
-from specroll_jax import models, proposers, reflex
-from specroll_jax import tree as T
+from specroll_jax import models, proposers
+from specroll_jax.adaptation import reflex
+from specroll_jax.heads import medusa as H
+from specroll_jax.proposers import tree as T
 from specroll_jax.proposers.base import Feedback, Target
 from specroll_jax.sampling import SamplingConfig
 

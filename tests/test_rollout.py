@@ -204,7 +204,7 @@ def test_params_that_do_not_fit_the_config_are_refused():
   another dtype (a TypeError from inside ``lax.scan``) or a missing leaf: a ValueError naming
   the leaf at every public entry, before anything compiles."""
   from specroll_jax import SpecRoll
-  from specroll_jax import executables as exe
+  from specroll_jax.engines import executables as exe
   from specroll_jax.grpo import GRPOConfig, init_train_state, make_train_step
   config = models.ModelConfig.tiny(vocab_size=64)
   params = models.init_params(jax.random.key(0), config)

@@ -10,12 +10,12 @@ import pytest
 from conftest import head_slice, leaves_equal
 
 from app.checkpoint import Checkpointer
-from specroll_jax import heads as heads_lib
 from specroll_jax import models
-from specroll_jax import records as records_lib
-from specroll_jax import slow_path as sp
-from specroll_jax.records import Records
-from specroll_jax.slow_path import retrain
+from specroll_jax.adaptation import records as records_lib
+from specroll_jax.adaptation import slow_path as sp
+from specroll_jax.adaptation.records import Records
+from specroll_jax.adaptation.slow_path import retrain
+from specroll_jax.heads import medusa as heads_lib
 
 K, S, KC, TOP = 3, 20, 4, 16  # heads, support width (4 unused entries), candidates, used support
 # 2 Adam steps at the DESIGN lr (1e-5) barely move a random tiny model; 1e-2 makes the effect of
@@ -145,8 +145,8 @@ def test_learning_goes_on_while_refits_pay_and_ends_when_they_stop():
   the held-out TV by ``learn_gain``; with ``learn_gain`` 0 it runs exactly its refreshes; a
   refresh after sustained degradation that pays starts a new phase. Batches without records
   neither refresh nor end it, and the calibration's clock starts where it ends."""
-  from specroll_jax.slow_path import _learn_after
-  from specroll_jax.slow_path.config import _R
+  from specroll_jax.adaptation.slow_path import _learn_after
+  from specroll_jax.adaptation.slow_path.config import _R
   cfg = MON_CFG.replace(bootstrap_batches=2, learn_gain=0.05, calibration_batches=3)
   m = sp.monitor_init(cfg, K)
   assert int(m.learning) == 1 and int(m.phases) == 1
@@ -188,8 +188,8 @@ def test_learning_is_judged_over_bootstrap_steps_of_refreshes():
   until their steps since the last verdict reach ``bootstrap_steps``, and then on only if their
   compounded held-out TV drop reaches ``learn_gain``; a refresh of ``bootstrap_steps`` steps is
   judged alone."""
-  from specroll_jax.slow_path import _learn_after
-  from specroll_jax.slow_path.config import _R
+  from specroll_jax.adaptation.slow_path import _learn_after
+  from specroll_jax.adaptation.slow_path.config import _R
   cfg = MON_CFG.replace(bootstrap_batches=2, bootstrap_steps=20, learn_gain=0.01)
   m = sp.monitor_init(cfg, K)
   flags = []
@@ -448,7 +448,7 @@ def test_support_only_log_probs_are_the_head_softmax_renormalised_on_the_support
   full-vocabulary softmax renormalised there (numpy), from |S| unembedding rows; the token's
   log-prob is its entry there (0 when it is off the support: no gradient), and the tail bucket
   carries no mass."""
-  from specroll_jax.slow_path import retrain as R
+  from specroll_jax.adaptation.slow_path import retrain as R
   config, params, student, teacher = tiny
   recs = make_records(config, params, teacher, 5, 64)
   q = np.asarray(_source_logits(config, params, student, recs.hidden), np.float64)
@@ -749,7 +749,7 @@ def test_bad_input_raises_value_error_naming_it(tiny):
 def test_compiled_refresh_cache_is_bounded_lru(monkeypatch):
   """The process-wide cache of compiled refresh programs keeps at most CACHE_SIZE programs (least
   recently used dropped first) and still counts every compile."""
-  from specroll_jax.slow_path import retrain as R
+  from specroll_jax.adaptation.slow_path import retrain as R
 
   class _Lowered:
     def __init__(self, key):

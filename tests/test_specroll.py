@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 from specroll_jax import SpecRoll, SpecRollState, rollout
-from specroll_jax import cond_heads as CH
-from specroll_jax import store as S
-from specroll_jax.config import SpecConfig
-from specroll_jax.goodput import CostModel
-from specroll_jax.slow_path import SlowPathConfig
+from specroll_jax.adaptation import store as S
+from specroll_jax.adaptation.goodput import CostModel
+from specroll_jax.adaptation.slow_path import SlowPathConfig
+from specroll_jax.engines.config import SpecConfig
+from specroll_jax.heads import conditioned as CH
 from specroll_jax.specroll import SpecRollReport
 
 G, M = 4, 16

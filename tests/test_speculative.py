@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from conftest import LONG
 
-from specroll_jax import heads as H
-from specroll_jax import models, rollout, sampling, tree, verify
-from specroll_jax.proposers import HeadsProposer, RankedHeads
+from specroll_jax import models, rollout, sampling
+from specroll_jax.engines import verify
+from specroll_jax.heads import medusa as H
+from specroll_jax.proposers import HeadsProposer, RankedHeads, tree
 from specroll_jax.rollout import DecodeOptions, SamplingConfig, SpecConfig, Speculation
 
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from conftest import run_on_cpu_devices
 
-from specroll_jax import heads as H
 from specroll_jax import rollout
+from specroll_jax.heads import medusa as H
 from specroll_jax.kernels import Kernels
 from specroll_jax.proposers import HeadsProposer
 
@@ -48,7 +48,9 @@ _SHARDED = textwrap.dedent("""
     import functools, json, os, sys
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
-    from specroll_jax import heads as H, models, reflex, rollout
+    from specroll_jax import models, rollout
+    from specroll_jax.heads import medusa as H
+    from specroll_jax.adaptation import reflex
     from specroll_jax.kernels import Kernels
     from specroll_jax.proposers import Merged, ReflexProposer
     assert jax.device_count() == 4, jax.devices()

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from specroll_jax import cond_heads as CH
 from specroll_jax import grpo, rollout
-from specroll_jax import slow_path as SP
-from specroll_jax import trainer_records as TR
+from specroll_jax.adaptation import slow_path as SP
+from specroll_jax.adaptation import trainer_records as TR
+from specroll_jax.adaptation.reflex import ReflexConfig
+from specroll_jax.heads import conditioned as CH
 from specroll_jax.models import decoder as _dec
-from specroll_jax.reflex import ReflexConfig
 from specroll_jax.sampling import SamplingConfig, allowed_logits
 
 M, N = 24, 48
@@ -222,5 +222,6 @@ def test_slow_path_takes_trainer_records(trained_model, batch):
   assert changed > 1e-4  # refreshed on the trainer's records
   with pytest.raises(ValueError, match=r"head_acceptance must have shape \(3,\)"):
     SP.after_batch(slow, state, config, params, heads, rec, acc[:2], 0.5)
-  with pytest.raises(ValueError, match="batch_records must be a specroll_jax.records.Records"):
+  with pytest.raises(ValueError,
+                     match="batch_records must be a specroll_jax.adaptation.records.Records"):
     SP.after_batch(slow, state, config, params, heads, {}, acc, 0.5)

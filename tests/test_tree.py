@@ -10,9 +10,9 @@ from conftest import ancestor_closure
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specroll_jax import tree as tree_mod
-from specroll_jax.proposers.heads import effective_topk
-from specroll_jax.tree import Tree, accept, plan
+from specroll_jax.proposers import tree as tree_mod
+from specroll_jax.proposers.static_heads import effective_topk
+from specroll_jax.proposers.tree import Tree, accept, plan
 
 _plan = jax.jit(plan, static_argnames=("num_nodes", "topk"))
 _accept = jax.jit(accept, static_argnames=("max_depth",))

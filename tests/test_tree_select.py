@@ -9,7 +9,7 @@ from conftest import ancestor_closure
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specroll_jax import tree as T
+from specroll_jax.proposers import tree as T
 
 R, CHAINS, DP, N, RANKS = 4, 5, 4, 6, 9
 M = CHAINS * DP

@@ -23,8 +23,8 @@ from tunix.rl import rl_cluster as rlc  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 
-from specroll_jax import heads  # noqa: E402
 from specroll_jax.grpo import trainer_logprobs  # noqa: E402
+from specroll_jax.heads import medusa as heads  # noqa: E402
 from specroll_jax.integrations import tunix as sr  # noqa: E402
 from specroll_jax.models import decoder  # noqa: E402
 from specroll_jax.proposers import PromptLookup  # noqa: E402

@@ -19,8 +19,10 @@ from app.widen import (
   widen_heads,
   widened_config,
 )
-from specroll_jax import cond_heads, heads, models, rollout
+from specroll_jax import models, rollout
 from specroll_jax.data import gsm8k
+from specroll_jax.heads import conditioned as cond_heads
+from specroll_jax.heads import medusa as heads
 from specroll_jax.models import decoder
 from specroll_jax.models.tokenizer import Tokenizer
 from specroll_jax.sampling import SamplingConfig

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax import cond_heads as _cond
-from specroll_jax import heads as _heads
 from specroll_jax import sampling as _sampling
 from specroll_jax._fields import int_arg
+from specroll_jax.heads import conditioned as _cond
+from specroll_jax.heads import medusa as _heads
 from specroll_jax.proposers.ranked_heads import q_bin
 
 

@@ -32,16 +32,16 @@ from app.trainer import (
   Warmup,
   specroll_for,
 )
-from specroll_jax import buckets as _buckets
 from specroll_jax import rollout as _rollout
 from specroll_jax._fields import check_float, check_int, check_type
-from specroll_jax.config import SpecConfig
+from specroll_jax.adaptation.reflex import ReflexConfig
+from specroll_jax.adaptation.slow_path import SlowPathConfig
 from specroll_jax.data import gsm8k
+from specroll_jax.engines import buckets as _buckets
+from specroll_jax.engines.config import SpecConfig
 from specroll_jax.grpo.config import GRPOConfig
 from specroll_jax.grpo.step import init_train_state, place_state
-from specroll_jax.reflex import ReflexConfig
 from specroll_jax.sampling import group_sample_ids
-from specroll_jax.slow_path import SlowPathConfig
 from specroll_jax.specroll import DEFAULT_COST_NODES, DEFAULT_REFLEX, SpecRoll, SpecRollState
 
 ROLLOUTS = ("vanilla", "specroll", "static-heads")

@@ -13,8 +13,8 @@ import numpy as np
 from app import sft
 from specroll_jax import assets, models, rollout
 from specroll_jax import cache as _cache
-from specroll_jax import heads as _heads
 from specroll_jax.data import gsm8k
+from specroll_jax.heads import medusa as _heads
 from specroll_jax.models.tokenizer import Tokenizer
 from specroll_jax.sampling import group_sample_ids
 
@@ -129,7 +129,7 @@ def fitted_cond_heads(config, params, tok: Tokenizer, model_path, *, num_heads: 
   """Root-conditioned heads (``cond_heads``) fitted on the target's own rollouts of train prompts
   of ``task`` (default GSM8K) at ``sampling`` (soft self-distillation with ``cond_heads.fit``'s
   TV term at ``tv_weight``); cached like ``fitted_heads``."""
-  from specroll_jax import cond_heads as _cond
+  from specroll_jax.heads import conditioned as _cond
   settings = (num_heads, num_prompts, max_new_tokens, repr(sampling), steps, width, seed,
               f"tv_weight={tv_weight}")
   if task is not None:
@@ -156,7 +156,7 @@ def default_heads(config, params, tok: Tokenizer, model_path, *, num_heads: int 
   ``cond_heads.safetensors`` when there is one; else the Medusa ``heads.safetensors`` (e.g. the
   embedded default model's); else Medusa heads fitted on the model's own T = 1 rollouts
   (``fitted_heads``, cached)."""
-  from specroll_jax import cond_heads as _cond
+  from specroll_jax.heads import conditioned as _cond
   cond = Path(model_path) / "cond_heads.safetensors"
   if conditioned and cond.exists():
     hd = _cond.load(cond)

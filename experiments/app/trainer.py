@@ -24,11 +24,11 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from specroll_jax import rewards as _rewards
 from specroll_jax import rollout as _rollout
+from specroll_jax.adaptation.slow_path import BatchReport, SlowPathConfig
+from specroll_jax.engines.results import Rollout
 from specroll_jax.grpo.loss import group_advantages
 from specroll_jax.grpo.step import AXIS, Batch, TrainState, make_train_step, place_state
 from specroll_jax.mesh import ModelMesh, make_mesh
-from specroll_jax.results import Rollout
-from specroll_jax.slow_path import BatchReport, SlowPathConfig
 from specroll_jax.specroll import SpecRoll, SpecRollReport, SpecRollState
 
 

@@ -357,8 +357,8 @@ def widen(config: ModelConfig, params, shape: WideShape, *, key, heads=None,
 
 
 def _validate_heads(config, heads):
-  from specroll_jax import cond_heads as _ch
-  from specroll_jax import heads as _mh
+  from specroll_jax.heads import conditioned as _ch
+  from specroll_jax.heads import medusa as _mh
   if isinstance(heads, _mh.Heads):
     _mh.validate(config, heads)
   elif isinstance(heads, _ch.CondHeads):
@@ -370,7 +370,7 @@ def _validate_heads(config, heads):
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
 def _build_heads(ds: int, db: int, width: int, scale: float, sh, key):
-  from specroll_jax import heads as _mh
+  from specroll_jax.heads import medusa as _mh
   medusa = isinstance(sh, _mh.Heads)
   b = _Builder(key, (sh.norm if medusa else sh.norm_h).dtype, scale)
   kk = sh.num_heads
@@ -396,7 +396,7 @@ def widen_heads(config: ModelConfig, big: ModelConfig, heads, *, key, scale: flo
   Dff -> ``width`` (default ceil(Dff * D' / D)); the extra columns have random input weights and
   biases and zero output rows.
   """
-  from specroll_jax import heads as _mh
+  from specroll_jax.heads import medusa as _mh
   _validate_heads(config, heads)
   scale = float_arg(scale, "scale", 0, lo_open=True)
   if big.vocab_size != config.vocab_size or big.hidden_size < config.hidden_size:

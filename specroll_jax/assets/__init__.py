@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specroll_jax import cond_heads, models
+from specroll_jax import models
+from specroll_jax.heads import conditioned as cond_heads
 from specroll_jax.models.tokenizer import Tokenizer
 
 EMBEDDED = "gsm8k-tiny"

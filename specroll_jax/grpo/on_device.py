@@ -28,7 +28,7 @@ from jaxtyping import Array, Bool, Float, Int, PyTree
 
 from specroll_jax import engines
 from specroll_jax._fields import int_arg, int_tuple
-from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines.config import DecodeSettings, SpecConfig
 from specroll_jax.grpo import loss as _loss
 from specroll_jax.grpo import step as _step
 from specroll_jax.grpo.config import GRPOConfig

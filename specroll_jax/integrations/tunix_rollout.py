@@ -18,12 +18,13 @@ from flax import nnx
 from tunix.generate.tokenizer_adapter import TokenizerAdapter
 from tunix.rl.rollout import base_rollout
 
-from specroll_jax import executables as _exe
-from specroll_jax import head_kinds
 from specroll_jax import sampling as _sampling
-from specroll_jax.config import DecodeSettings
 from specroll_jax.engines import VanillaEngine
+from specroll_jax.engines import executables as _exe
+from specroll_jax.engines.config import DecodeSettings
+from specroll_jax.engines.results import Rollout
 from specroll_jax.grpo.logprobs import trainer_logprobs
+from specroll_jax.heads import kinds as head_kinds
 from specroll_jax.integrations.tunix_params import (
   _dtype_name,
   _supported_names,
@@ -36,7 +37,6 @@ from specroll_jax.kernels import Kernels
 from specroll_jax.mesh import ModelMesh
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers import Proposer
-from specroll_jax.results import Rollout
 from specroll_jax.rollout import prepare_batch, prompt_width
 from specroll_jax.specroll import Mapped, SpecRoll
 

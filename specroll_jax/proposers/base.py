@@ -26,8 +26,8 @@ import jax
 from jaxtyping import Array, Bool, Float, Int, PyTree, UInt32
 
 from specroll_jax.models.config import ModelConfig
+from specroll_jax.proposers.tree import Tree
 from specroll_jax.sampling import SamplingConfig
-from specroll_jax.tree import Tree
 
 
 @flax.struct.dataclass
@@ -173,10 +173,10 @@ class Proposer:
 
   **propose** returns each row's ``Tree`` of exactly ``num_nodes`` nodes besides the root (static;
   the engine never calls it with 0, since an N = 0 bucket runs the plain decode step), and the
-  state after proposing. The rules a tree must satisfy are listed once, in the ``Tree``
-  docstring (``specroll_jax.tree.Tree``). Shapes and dtypes are checked at trace time. Breaking a
-  rule on values costs speed, stops the row (a token outside the vocabulary) or, for the root,
-  mask and depth rules, breaks exactness.
+  state after proposing. The rules a tree must satisfy are listed once, in the ``Tree`` docstring
+  (``specroll_jax.proposers.tree.Tree``). Shapes and dtypes are checked at trace time. Breaking a
+  rule on values costs speed, stops the row (a token outside the vocabulary) or, for the root, mask
+  and depth rules, breaks exactness.
 
   **Feedback** (to ``update``): ``tokens[:, j]`` is the target's sample at path node j and sits at
   position ``position + 1 + j``. The first ``path_len - 1`` of them are the accepted nodes'

@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from specroll_jax._fields import int_arg
-from specroll_jax.tree import Tree
+from specroll_jax.proposers.tree import Tree
 
 
 def _name(proposer) -> str:

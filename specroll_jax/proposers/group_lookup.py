@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from specroll_jax import tree as _tree
 from specroll_jax._fields import check_int
+from specroll_jax.proposers import tree as _tree
 from specroll_jax.proposers.ranked import RankedProposer, log_table
 
 OWN, SIBLING, PRIOR = 0, 1, 2

@@ -18,11 +18,11 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Int
 
-from specroll_jax import tree as _tree
 from specroll_jax._fields import check_int
+from specroll_jax.engines.results import Summed
+from specroll_jax.proposers import tree as _tree
 from specroll_jax.proposers.base import Proposer
 from specroll_jax.proposers.group_lookup import find_continuations, own_suffix
-from specroll_jax.results import Summed
 
 
 @flax.struct.dataclass

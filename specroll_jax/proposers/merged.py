@@ -12,9 +12,13 @@ import dataclasses
 import flax.struct
 import numpy as np
 
-from specroll_jax import head_kinds
-from specroll_jax import tree as _tree
 from specroll_jax._fields import check_int
+from specroll_jax.adaptation.reflex.config import ReflexConfig
+from specroll_jax.adaptation.reflex.state import ReflexGlobal, ReflexRows, ReflexShared
+from specroll_jax.adaptation.reflex.statistics import ReflexStats
+from specroll_jax.engines.results import Summed
+from specroll_jax.heads import kinds as head_kinds
+from specroll_jax.proposers import tree as _tree
 from specroll_jax.proposers.base import Proposer, RowsShared
 from specroll_jax.proposers.group_lookup import GroupLookup, LookupContext, LookupShared
 from specroll_jax.proposers.ranked import (
@@ -26,10 +30,6 @@ from specroll_jax.proposers.ranked import (
 )
 from specroll_jax.proposers.ranked_heads import HeadsParams, RankedHeads
 from specroll_jax.proposers.reflex_heads import ReflexParams, ReflexProposer
-from specroll_jax.reflex.config import ReflexConfig
-from specroll_jax.reflex.state import ReflexGlobal, ReflexRows, ReflexShared
-from specroll_jax.reflex.statistics import ReflexStats
-from specroll_jax.results import Summed
 
 
 @flax.struct.dataclass

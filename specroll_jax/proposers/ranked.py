@@ -18,9 +18,9 @@ import flax.struct
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from specroll_jax import tree as _tree
+from specroll_jax.engines.results import Summed
+from specroll_jax.proposers import tree as _tree
 from specroll_jax.proposers.base import Proposer, RowsShared
-from specroll_jax.results import Summed
 
 NUM_FOUND = 3  # lookup sources (own, sibling, prior) whose hits ``TreeStats.found`` counts
 

@@ -30,12 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from specroll_jax import cond_heads as _cond
-from specroll_jax import heads as _heads
 from specroll_jax import sampling as _sampling
-from specroll_jax import tree as _tree
 from specroll_jax._fields import check_bool, check_int, int_arg, int_tuple
+from specroll_jax.heads import conditioned as _cond
+from specroll_jax.heads import medusa as _heads
 from specroll_jax.models import decoder as _dec
+from specroll_jax.proposers import tree as _tree
 from specroll_jax.proposers.base import coupled_with
 from specroll_jax.proposers.ranked import RankedProposer, log_table
 

@@ -1,5 +1,5 @@
 """``ReflexProposer``: future-token heads (Medusa or root-conditioned) with Reflex corrections
-(the math in ``specroll_jax.reflex``; docs/design.md, "Reflex")."""
+(the math in ``specroll_jax.adaptation.reflex``; docs/design.md, "Reflex")."""
 
 from __future__ import annotations
 
@@ -9,20 +9,13 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from specroll_jax import _topk, head_kinds
-from specroll_jax import records as _records
+from specroll_jax import _topk
 from specroll_jax import sampling as _sampling
-from specroll_jax import tree as _tree
 from specroll_jax._vma import vary_like
-from specroll_jax.cond_heads import CondHeads
-from specroll_jax.heads import Heads
-from specroll_jax.models import decoder as _dec
-from specroll_jax.proposers.base import Proposer, RowsShared, coupled_with
-from specroll_jax.proposers.heads import effective_topk, plan_heads
-from specroll_jax.proposers.ranked_heads import RankedHeads
-from specroll_jax.reflex.config import _TINY, ReflexConfig
-from specroll_jax.reflex.feedback import _Matured, feedback
-from specroll_jax.reflex.state import (
+from specroll_jax.adaptation import records as _records
+from specroll_jax.adaptation.reflex.config import _TINY, ReflexConfig
+from specroll_jax.adaptation.reflex.feedback import _Matured, feedback
+from specroll_jax.adaptation.reflex.state import (
   FastState,
   Pending,
   ReflexGlobal,
@@ -31,13 +24,21 @@ from specroll_jax.reflex.state import (
   _reset,
   _zeros_fast,
 )
-from specroll_jax.reflex.statistics import (
+from specroll_jax.adaptation.reflex.statistics import (
   ReflexStats,
   _rms,
   corrected_head_states,
   gate,
   welford_merge,
 )
+from specroll_jax.heads import kinds as head_kinds
+from specroll_jax.heads.conditioned import CondHeads
+from specroll_jax.heads.medusa import Heads
+from specroll_jax.models import decoder as _dec
+from specroll_jax.proposers import tree as _tree
+from specroll_jax.proposers.base import Proposer, RowsShared, coupled_with
+from specroll_jax.proposers.ranked_heads import RankedHeads
+from specroll_jax.proposers.static_heads import effective_topk, plan_heads
 
 
 @flax.struct.dataclass

@@ -38,16 +38,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax import calibration as _cal
-from specroll_jax import distributed, head_kinds
-from specroll_jax import executables as _exe
-from specroll_jax import reflex as _reflex
-from specroll_jax import slow_path as _slow
-from specroll_jax import store as _store
+from specroll_jax import distributed
 from specroll_jax._fields import check_float, check_int, check_type, float_arg, int_tuple
-from specroll_jax.config import SpecConfig
+from specroll_jax.adaptation import calibration as _cal
+from specroll_jax.adaptation import reflex as _reflex
+from specroll_jax.adaptation import slow_path as _slow
+from specroll_jax.adaptation import store as _store
+from specroll_jax.adaptation.goodput import CostModel
+from specroll_jax.adaptation.reflex import ReflexConfig
+from specroll_jax.adaptation.slow_path import SlowPathConfig
 from specroll_jax.engines import check_seed
-from specroll_jax.goodput import CostModel
+from specroll_jax.engines import executables as _exe
+from specroll_jax.engines.config import SpecConfig
+from specroll_jax.engines.results import Rollout
+from specroll_jax.heads import kinds as head_kinds
 from specroll_jax.kernels import Kernels
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
@@ -59,11 +63,8 @@ from specroll_jax.proposers import (
   RankedHeads,
 )
 from specroll_jax.proposers.ranked import RankedProposer
-from specroll_jax.reflex import ReflexConfig
-from specroll_jax.results import Rollout
 from specroll_jax.rollout import MIN_PROMPT_WIDTH, PreparedBatch, pad_prompts, prepare_batch
 from specroll_jax.sampling import SamplingConfig, group_sample_ids
-from specroll_jax.slow_path import SlowPathConfig
 from specroll_jax.specroll.fold import Folding
 from specroll_jax.specroll.programs import Programs
 from specroll_jax.specroll.report import SpecRollReport
@@ -297,7 +298,7 @@ class SpecRoll(Programs, Folding):
                          f"learning phase (SlowPathConfig mode != 'off', bootstrap_batches >= 1;"
                          f" got mode {self.slow.mode!r}, bootstrap_batches "
                          f"{self.slow.bootstrap_batches})")
-      from specroll_jax import cond_heads as _cond
+      from specroll_jax.heads import conditioned as _cond
       heads = _cond.init(jax.random.key(0) if key is None else key, self.config,
                          self.heads_tree.num_heads)
     elif key is not None:

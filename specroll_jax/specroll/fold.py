@@ -15,15 +15,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from specroll_jax import distributed
-from specroll_jax import reflex as _reflex
-from specroll_jax import slow_path as _slow
-from specroll_jax import store as _store
-from specroll_jax import trainer_records as _trainer_records
+from specroll_jax.adaptation import reflex as _reflex
+from specroll_jax.adaptation import slow_path as _slow
+from specroll_jax.adaptation import store as _store
+from specroll_jax.adaptation import trainer_records as _trainer_records
+from specroll_jax.adaptation.slow_path import BatchReport
+from specroll_jax.engines.results import Rollout
 from specroll_jax.proposers import MergedReflexStats
 from specroll_jax.proposers.ranked import TreeStats
-from specroll_jax.results import Rollout
 from specroll_jax.rollout import PreparedBatch
-from specroll_jax.slow_path import BatchReport
 from specroll_jax.specroll.report import SpecRollReport
 from specroll_jax.specroll.state import (
   Mode,

@@ -12,13 +12,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specroll_jax import buckets as _buckets
 from specroll_jax import distributed
-from specroll_jax import executables as _exe
-from specroll_jax import goodput as _goodput
-from specroll_jax import store as _store
-from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.adaptation import goodput as _goodput
+from specroll_jax.adaptation import store as _store
 from specroll_jax.engines import SpecEngine, VanillaEngine
+from specroll_jax.engines import buckets as _buckets
+from specroll_jax.engines import executables as _exe
+from specroll_jax.engines.config import DecodeSettings, SpecConfig
 from specroll_jax.proposers import MergedReflex
 from specroll_jax.rollout import PreparedBatch
 from specroll_jax.specroll.state import (

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specroll_jax.goodput import BucketChoice
-from specroll_jax.slow_path import BatchReport
+from specroll_jax.adaptation.goodput import BucketChoice
+from specroll_jax.adaptation.slow_path import BatchReport
 from specroll_jax.specroll.state import Mode, ReflexMode
 
 

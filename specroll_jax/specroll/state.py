@@ -17,13 +17,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PyTree, UInt32
 
-from specroll_jax import calibration as _cal
-from specroll_jax import goodput as _goodput
-from specroll_jax import store as _store
-from specroll_jax.config import SpecConfig
+from specroll_jax.adaptation import calibration as _cal
+from specroll_jax.adaptation import goodput as _goodput
+from specroll_jax.adaptation import store as _store
+from specroll_jax.adaptation.reflex import ReflexGlobal
+from specroll_jax.adaptation.slow_path import SlowPathState
+from specroll_jax.engines.config import SpecConfig
 from specroll_jax.proposers import Proposer
-from specroll_jax.reflex import ReflexGlobal
-from specroll_jax.slow_path import SlowPathState
 
 
 @flax.struct.dataclass

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from specroll_jax import buckets as _buckets
 from specroll_jax._fields import check_bool, check_int, check_type, float_arg, int_tuple
+from specroll_jax.engines import buckets as _buckets
 from specroll_jax.kernels import Kernels
 from specroll_jax.sampling import SamplingConfig
 

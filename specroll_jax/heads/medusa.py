@@ -54,7 +54,7 @@ def init(key, config: ModelConfig, num_heads: int = 3, *, scale: float = 0.0) ->
 def validate(config: ModelConfig, heads: Heads, num_heads: int | None = None) -> None:
   """Raise ValueError when the heads do not fit the model (hidden size, vocab, head count)."""
   if not isinstance(heads, Heads):
-    raise ValueError(f"heads must be a specroll_jax.heads.Heads, got {type(heads).__name__}")
+    raise ValueError(f"heads must be a specroll_jax.heads.medusa.Heads, got {type(heads).__name__}")
   if heads.hidden_size != config.hidden_size:
     raise ValueError(
         f"heads hidden size {heads.hidden_size} does not match the model's hidden_size "

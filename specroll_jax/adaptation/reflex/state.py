@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from specroll_jax import records as _records
-from specroll_jax.reflex.config import ReflexConfig
+from specroll_jax.adaptation import records as _records
+from specroll_jax.adaptation.reflex.config import ReflexConfig
 
 
 @flax.struct.dataclass

@@ -7,7 +7,7 @@ import flax.struct
 import optax
 from jaxtyping import Array, Bool, Float, Int
 
-from specroll_jax.records import Records
+from specroll_jax.adaptation.records import Records
 
 
 @flax.struct.dataclass

@@ -12,10 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from specroll_jax import heads as _heads
-from specroll_jax.reflex.config import _TINY, ReflexConfig
-from specroll_jax.reflex.state import FastState, ReflexGlobal
-from specroll_jax.results import Summed
+from specroll_jax.adaptation.reflex.config import _TINY, ReflexConfig
+from specroll_jax.adaptation.reflex.state import FastState, ReflexGlobal
+from specroll_jax.engines.results import Summed
+from specroll_jax.heads import medusa as _heads
 
 
 def _rms(x, axis=-1):

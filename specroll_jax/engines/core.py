@@ -27,16 +27,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Int, UInt32
 
-from specroll_jax import executables as _exe
-from specroll_jax import speculative as _spec
-from specroll_jax import vanilla as _vanilla
 from specroll_jax._fields import check_type, int_arg
-from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines import executables as _exe
+from specroll_jax.engines import speculative as _spec
+from specroll_jax.engines import vanilla as _vanilla
+from specroll_jax.engines.config import DecodeSettings, SpecConfig
+from specroll_jax.engines.results import Rollout
 from specroll_jax.kernels import Kernels
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers.base import Proposer
-from specroll_jax.results import Rollout
 from specroll_jax.sampling import SamplingConfig
 
 __all__ = ["PromptBatch", "SpecEngine", "VanillaEngine"]

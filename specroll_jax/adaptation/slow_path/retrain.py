@@ -14,14 +14,14 @@ import numpy as np
 import optax
 from jaxtyping import Array, Bool, Int
 
-from specroll_jax import head_kinds
-from specroll_jax.heads import Heads
+from specroll_jax.adaptation.records import Records
+from specroll_jax.adaptation.slow_path.config import SlowPathConfig
+from specroll_jax.adaptation.slow_path.state import Evaluation, RefreshResult
+from specroll_jax.heads import kinds as head_kinds
+from specroll_jax.heads.medusa import Heads
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
-from specroll_jax.records import Records
 from specroll_jax.sampling import MASKED_LOGIT
-from specroll_jax.slow_path.config import SlowPathConfig
-from specroll_jax.slow_path.state import Evaluation, RefreshResult
 
 
 def optimizer(cfg: SlowPathConfig) -> optax.GradientTransformation:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from specroll_jax._fields import check_bool, check_float, check_int, int_tuple
-from specroll_jax.config import DEFAULT_TOPK
+from specroll_jax.engines.config import DEFAULT_TOPK
 
 _TINY = 1e-12
 

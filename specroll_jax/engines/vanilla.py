@@ -20,13 +20,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Int
 
-from specroll_jax import buckets as _buckets
-from specroll_jax import responses as _resp
 from specroll_jax import sampling as _sampling
 from specroll_jax._vma import vary_like
-from specroll_jax.config import DecodeSettings
+from specroll_jax.engines import buckets as _buckets
+from specroll_jax.engines import responses as _resp
+from specroll_jax.engines.config import DecodeSettings
+from specroll_jax.engines.results import Rollout, RolloutStats
 from specroll_jax.models import decoder as _dec
-from specroll_jax.results import Rollout, RolloutStats
 
 
 def decode_step(config, params, root, cache: _dec.KVCache, active, seed, sample_ids,

@@ -37,15 +37,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from specroll_jax import _topk, head_kinds
-from specroll_jax import records as _records
+from specroll_jax import _topk
 from specroll_jax._fields import int_arg
+from specroll_jax.adaptation import records as _records
+from specroll_jax.adaptation.reflex.config import ReflexConfig
+from specroll_jax.adaptation.reflex.feedback import feedback
 from specroll_jax.engines import check_seed
+from specroll_jax.heads import kinds as head_kinds
 from specroll_jax.models import decoder as _dec
 from specroll_jax.models.config import ModelConfig
 from specroll_jax.proposers.base import Target
-from specroll_jax.reflex.config import ReflexConfig
-from specroll_jax.reflex.feedback import feedback
 from specroll_jax.sampling import SamplingConfig, allowed_floor, allowed_logits, draft_keys
 
 

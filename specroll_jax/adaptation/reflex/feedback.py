@@ -11,10 +11,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from specroll_jax import _topk
-from specroll_jax import records as _records
+from specroll_jax.adaptation import records as _records
+from specroll_jax.adaptation.records import member as _member
+from specroll_jax.adaptation.reflex.config import ReflexConfig
 from specroll_jax.models import decoder as _dec
-from specroll_jax.records import member as _member
-from specroll_jax.reflex.config import ReflexConfig
 from specroll_jax.sampling import inverse_temperature
 
 

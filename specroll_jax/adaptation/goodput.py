@@ -32,8 +32,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from specroll_jax import buckets as _buckets
-from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines import buckets as _buckets
+from specroll_jax.engines.config import DecodeSettings, SpecConfig
 
 DEFAULT_NODE_COUNTS = (0, 1, 2, 4, 8)
 

@@ -1,12 +1,11 @@
 """Static future-token heads as a proposer (Medusa-style; docs/design.md, "Medusa heads and
 tree.plan").
 
-Parameters: ``specroll_jax.heads.Heads``. Per-row state: none. ``propose`` runs only the heads and
-candidates the bucket's node count N can use: with the trunk reserved first, a tree of N nodes
-reaches depth min(K, N), and at each depth a parent has at most 1 + N - min(K, N) children in the
-tree (the trunk takes min(K, N) nodes), so head k is evaluated only when k <= N and its top-k is
-cut to that many candidates. The tree is exactly the one the full candidate set would give.
-"""
+Parameters: ``specroll_jax.heads.medusa.Heads``. Per-row state: none. ``propose`` runs only the
+heads and candidates the bucket's node count N can use: with the trunk reserved first, a tree of N
+nodes reaches depth min(K, N), and at each depth a parent has at most 1 + N - min(K, N) children in
+the tree (the trunk takes min(K, N) nodes), so head k is evaluated only when k <= N and its top-k is
+cut to that many candidates. The tree is exactly the one the full candidate set would give. """
 
 from __future__ import annotations
 
@@ -15,12 +14,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from specroll_jax import heads as _heads
 from specroll_jax import sampling as _sampling
-from specroll_jax import tree as _tree
 from specroll_jax._fields import check_bool, check_int, int_tuple
-from specroll_jax.config import DEFAULT_TOPK
+from specroll_jax.engines.config import DEFAULT_TOPK
+from specroll_jax.heads import medusa as _heads
 from specroll_jax.models import decoder as _dec
+from specroll_jax.proposers import tree as _tree
 from specroll_jax.proposers.base import Proposer, coupled_with
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
 from specroll_jax import sampling as _sampling
-from specroll_jax.config import DecodeSettings
+from specroll_jax.engines.config import DecodeSettings
 from specroll_jax.models import decoder as _dec
 
 

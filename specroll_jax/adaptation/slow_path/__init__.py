@@ -2,7 +2,7 @@
 rollout batches (docs/design.md, "Slow path").
 
 The rollout loop calls :func:`after_batch` once per rollout batch with the batch's matured
-prediction records (``specroll_jax.records``) and the per-head acceptance rates. It
+prediction records (``specroll_jax.adaptation.records``) and the per-head acceptance rates. It
 
 1. merges the records into a bounded reservoir (``reservoir_size // K`` per head, recent first);
 2. updates the monitor (:func:`monitor_update`). The first ``calibration_batches`` batches fix a
@@ -39,13 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from specroll_jax import head_kinds
-from specroll_jax import records as records_lib
 from specroll_jax._fields import float_arg, int_arg
-from specroll_jax.heads import Heads
-from specroll_jax.models.config import ModelConfig
-from specroll_jax.records import Records
-from specroll_jax.slow_path.config import (
+from specroll_jax.adaptation import records as records_lib
+from specroll_jax.adaptation.records import Records
+from specroll_jax.adaptation.slow_path.config import (
   _R,
   MODES,
   REASONS,
@@ -54,8 +51,8 @@ from specroll_jax.slow_path.config import (
   VOCABS,
   SlowPathConfig,
 )
-from specroll_jax.slow_path.monitor import batch_stats, monitor_init, monitor_update
-from specroll_jax.slow_path.retrain import (
+from specroll_jax.adaptation.slow_path.monitor import batch_stats, monitor_init, monitor_update
+from specroll_jax.adaptation.slow_path.retrain import (
   _compiled_refresh,
   evaluate,
   holdout_slots,
@@ -66,13 +63,16 @@ from specroll_jax.slow_path.retrain import (
   refresh_jit,
   step_groups,
 )
-from specroll_jax.slow_path.state import (
+from specroll_jax.adaptation.slow_path.state import (
   Decision,
   Evaluation,
   MonitorState,
   RefreshResult,
   SlowPathState,
 )
+from specroll_jax.heads import kinds as head_kinds
+from specroll_jax.heads.medusa import Heads
+from specroll_jax.models.config import ModelConfig
 
 
 def init(cfg: SlowPathConfig, heads: Heads, *, support_size: int,
@@ -207,7 +207,7 @@ def _check_inputs(cfg, state, model_config, heads, batch, acceptance, rollout_se
         f"state's reservoir holds {state.reservoir.capacity} records per head, but "
         f"cfg.reservoir_size={cfg.reservoir_size} gives {cfg.per_head(heads.num_heads)}")
   if not isinstance(batch, Records):
-    raise ValueError(f"batch_records must be a specroll_jax.records.Records, got "
+    raise ValueError(f"batch_records must be a specroll_jax.adaptation.records.Records, got "
                      f"{type(batch).__name__}")
   r = state.reservoir
   for name in ("hidden", "support", "candidates"):

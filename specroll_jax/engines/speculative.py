@@ -28,17 +28,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from specroll_jax import buckets as _buckets
-from specroll_jax import responses as _resp
-from specroll_jax import tree as _tree
-from specroll_jax import verify as _verify
 from specroll_jax._vma import vary_like
-from specroll_jax.config import DecodeSettings, SpecConfig
+from specroll_jax.engines import buckets as _buckets
+from specroll_jax.engines import responses as _resp
+from specroll_jax.engines import verify as _verify
+from specroll_jax.engines.config import DecodeSettings, SpecConfig
+from specroll_jax.engines.results import Rollout, RolloutStats, SpecStats
+from specroll_jax.engines.vanilla import decode_step
 from specroll_jax.models import decoder as _dec
 from specroll_jax.proposers import contract as _contract
+from specroll_jax.proposers import tree as _tree
 from specroll_jax.proposers.base import Feedback, ProposeInput, Proposer, RowsInit, Target
-from specroll_jax.results import Rollout, RolloutStats, SpecStats
-from specroll_jax.vanilla import decode_step
 
 
 @flax.struct.dataclass

@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
-from specroll_jax import records as records_lib
-from specroll_jax.records import Records
-from specroll_jax.slow_path.config import _R, SlowPathConfig
-from specroll_jax.slow_path.state import Decision, MonitorState
+from specroll_jax.adaptation import records as records_lib
+from specroll_jax.adaptation.records import Records
+from specroll_jax.adaptation.slow_path.config import _R, SlowPathConfig
+from specroll_jax.adaptation.slow_path.state import Decision, MonitorState
 
 
 def monitor_init(cfg: SlowPathConfig, num_heads: int) -> MonitorState:

@@ -83,7 +83,7 @@ def init(key, config: ModelConfig, num_heads: int = 3, *, width: int | None = No
 def validate(config: ModelConfig, heads: CondHeads, num_heads: int | None = None) -> None:
   """Raise ValueError when the heads do not fit the model (hidden size, vocab, head count)."""
   if not isinstance(heads, CondHeads):
-    raise ValueError(f"heads must be a specroll_jax.cond_heads.CondHeads, got "
+    raise ValueError(f"heads must be a specroll_jax.heads.conditioned.CondHeads, got "
                      f"{type(heads).__name__}")
   if heads.hidden_size != config.hidden_size:
     raise ValueError(f"heads hidden size {heads.hidden_size} does not match the model's "
@@ -261,7 +261,7 @@ def hit_rates(config: ModelConfig, params, heads, tokens, lengths, hidden, *,
   ``ks``, the share of anchors whose next-but-one sampled token is in the head's top-k ("hit"),
   the target mass the head's top-k hold (its expected hit), and the bound: the mass of the
   target's own top-k. Works for ``CondHeads`` and Medusa ``heads.Heads``."""
-  from specroll_jax import heads as _heads
+  from specroll_jax.heads import medusa as _heads
   hidden = np.asarray(hidden)
   flat = hidden.reshape(-1, hidden.shape[-1])
   anchor, ctx, lab_idx, labels, mask = training_examples(tokens, lengths, 1)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import jax
 
-from specroll_jax import cond_heads as _cond
-from specroll_jax import heads as _heads
+from specroll_jax.heads import conditioned as _cond
+from specroll_jax.heads import medusa as _heads
 
 KINDS = (_heads.Heads, _cond.CondHeads)
 

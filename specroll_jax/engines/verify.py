@@ -18,7 +18,7 @@ from jaxtyping import Array, Bool, Float, Int
 from specroll_jax import sampling as _sampling
 from specroll_jax.kernels import REFERENCE, Kernels
 from specroll_jax.models import decoder as _dec
-from specroll_jax.tree import Tree, accept
+from specroll_jax.proposers.tree import Tree, accept
 
 
 @flax.struct.dataclass

@@ -25,9 +25,9 @@ Welford merges, the global safety update, the host summary), ``feedback`` (close
 of matured records). The proposer itself is ``specroll_jax.proposers.ReflexProposer``.
 """
 
-from specroll_jax.reflex.config import ReflexConfig
-from specroll_jax.reflex.feedback import Matured, feedback
-from specroll_jax.reflex.state import (
+from specroll_jax.adaptation.reflex.config import ReflexConfig
+from specroll_jax.adaptation.reflex.feedback import Matured, feedback
+from specroll_jax.adaptation.reflex.state import (
   FastState,
   Pending,
   ReflexGlobal,
@@ -35,7 +35,7 @@ from specroll_jax.reflex.state import (
   ReflexShared,
   init_global,
 )
-from specroll_jax.reflex.statistics import (
+from specroll_jax.adaptation.reflex.statistics import (
   ReflexStats,
   ReflexSummary,
   corrected_head_states,
