@@ -73,17 +73,14 @@ def main(argv=None):
     same = bool((np.asarray(out.tokens) == np.asarray(van.tokens)).all()
                 and (np.asarray(out.lengths) == van_lens).all())
     st = out.stats
-    # per-bucket (rows, nodes per row, steps, seconds): extra calls in profiling mode (buckets
-    # driven from the host; the second, compiled one is reported), kept out of the figures above
-    for _ in range(2):
-      prof = rollout.generate(config, params, batch, speculation=spec,
-                              options=rollout.DecodeOptions(profile=True), **kw)
     rows.append({"engine": "speculative", "budget": budget, "tau": st.tokens_per_forward,
                  "forwards": st.forwards, "seconds": t,
                  "speedup": t_van / t, "identical": same, "tokens": int(st.tokens),
                  "head_acceptance": st.head_acceptance.tolist(),
                  "nodes_verified": int(st.nodes_verified),
-                 "buckets": [list(b) for b in prof.stats.bucket_times],
+                 "buckets": [[r, n, int(f)] for (r, n), f in zip(
+                     spec.spec.bucket_shapes(len(batch), spec.proposer.capacity),
+                     np.asarray(st.spec.bucket_forwards), strict=True)],
                  "active_trace": np.asarray(st.active_trace).tolist()})
   for r in rows:  # cost per batched target forward, and the tau at which speculation breaks even
     r["ms_per_forward"] = 1e3 * r["seconds"] / r["forwards"]
@@ -106,11 +103,11 @@ def _print(rows, a):
   t = Table(title=f"rollouts: {a.prompts} prompts x G={a.group}, T={a.temperature}, "
                   f"top-p={a.top_p}, top-k={a.top_k}, {a.max_new_tokens} new tokens")
   for c in ("engine", "budget", "tau", "target fwd", "seconds", "vs vanilla", "ms/forward",
-            "break-even tau", "identical", "head acc.", "buckets (rows,N,steps,s)"):
+            "break-even tau", "identical", "head acc.", "buckets (rows,N,steps)"):
     t.add_column(c)
   for r in rows:
     acc = " ".join(f"{x:.2f}" for x in r.get("head_acceptance", []))
-    bk = " ".join(f"({b[0]},{b[1]},{b[2]},{b[3]:.2f})" for b in r.get("buckets", []))
+    bk = " ".join(f"({b[0]},{b[1]},{b[2]})" for b in r.get("buckets", []))
     budget = "-" if r["budget"] is None else str(r["budget"])
     t.add_row(r["engine"], budget, f"{r['tau']:.2f}", str(r["forwards"]),
               f"{r['seconds']:.2f}", f"{r['speedup']:.2f}x", f"{r['ms_per_forward']:.2f}",

@@ -18,19 +18,16 @@ engines' ``PromptBatch``.
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from specroll_jax._fields import int_arg
 from specroll_jax._fields import is_int as _is_int
 from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_seed
-from specroll_jax.engines import speculative as _spec
 from specroll_jax.engines.config import DecodeSettings, SpecConfig
 from specroll_jax.engines.results import Rollout, RolloutStats, SpecStats
 from specroll_jax.engines.speculative import speculative_rollout
@@ -222,34 +219,6 @@ def prepare_batch(config: ModelConfig, prompts, *, max_new_tokens: int, prompt_l
   return PreparedBatch(toks, lens, sids, eos.astype(np.int32), int(cache_length))
 
 
-# ---------------------------------------------------------------------------------------------
-# Jitted entries (compiled once per static settings)
-
-_init_jit = jax.jit(_spec.init_state, static_argnames=("config", "proposer", "settings", "spec"))
-_bucket_jit = jax.jit(_spec.run_bucket,
-                      static_argnames=("config", "proposer", "settings", "spec", "bucket"))
-_finish_jit = jax.jit(_spec.finish, static_argnames=("settings",))
-
-
-def _profiled(config, params, proposer, proposer_params, batch: PromptBatch, settings, spec):
-  """The speculative rollout bucket by bucket from the host, timing each bucket (profile=True)."""
-  tokens, lengths, sids, eos, seed = (batch.tokens, batch.lengths, batch.sample_ids,
-                                      batch.eos_ids, batch.seed)
-  state = _init_jit(config, params, proposer, proposer_params, tokens, lengths, sids, eos, seed,
-                    settings=settings, spec=spec)
-  times = []
-  for i, (rows, n) in enumerate(_spec.bucket_shapes(spec, proposer, tokens.shape[0])):
-    if not bool(jnp.any(~state.slots.done)):
-      break
-    t0 = time.perf_counter()
-    state = _bucket_jit(config, params, proposer, proposer_params, state, eos, seed,
-                        settings=settings, spec=spec, bucket=i)
-    steps = int(state.counters.bucket_forwards[i])  # syncs: the wall-clock end of the bucket
-    times.append((rows, n, steps, time.perf_counter() - t0))
-  out = _finish_jit(state, settings=settings)
-  return out.replace(stats=out.stats.replace(bucket_times=tuple(times)))
-
-
 _DEFAULT_SAMPLING = SamplingConfig()
 
 
@@ -310,8 +279,7 @@ class DecodeOptions:
     (None: the padded prompt width + max_new_tokens). pad_id: written after each response's end.
     allow_duplicate_sample_ids: let two rows share a sample id (they then share a response).
     bucket_fractions: the vanilla engine's row buckets (None: ``DecodeSettings``'s; the
-    speculative engine takes its buckets from ``Speculation.spec``). profile: run the speculative
-    buckets one by one from the host and report their wall-clock in ``stats.bucket_times``.
+    speculative engine takes its buckets from ``Speculation.spec``).
     mesh: None (one device), or a ``Mesh`` with axes "data" / "model" or a
     ``specroll_jax.mesh.ModelMesh``: rows over data, the weights and the KV cache over model
     (``params`` placed by ``ModelMesh.shard_params``; docs/design.md, "Model-parallel rollouts").
@@ -324,7 +292,6 @@ class DecodeOptions:
   pad_id: int = 0
   allow_duplicate_sample_ids: bool = False
   bucket_fractions: tuple[float, ...] | None = None
-  profile: bool = False
   mesh: Any = None
 
   def __post_init__(self):
@@ -332,9 +299,6 @@ class DecodeOptions:
       raise ValueError(f"DecodeOptions.on_nonfinite must be 'raise' or 'flag', got "
                        f"{self.on_nonfinite!r}")
     Kernels.resolve(self.kernels, mesh=self.mesh)
-    if self.mesh is not None and self.profile:
-      raise ValueError("DecodeOptions: profile=True runs the buckets from the host one device at "
-                       "a time; it does not take a mesh")
 
 
 def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig = _DEFAULT_SAMPLING,
@@ -395,8 +359,6 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
     dev = kern.mesh.place_batch(dev)
   if proposer is None:
     out = VanillaEngine(config, settings).jit(params, dev)
-  elif opts.profile:
-    out = _profiled(config, params, proposer, proposer_params, dev, settings, spec)
   else:
     out = SpecEngine(config, settings, proposer, spec).jit(params, proposer_params, dev)
   nf = np.asarray(out.stats.nonfinite)

@@ -131,11 +131,6 @@ def test_compaction_over_buckets(trained_model, gsm8k_prompts, random_heads):
   assert_stats_invariants(got, shapes)
   ran = np.asarray(got.stats.spec.bucket_forwards)
   assert (ran[:2] > 0).all()  # compacted into the second bucket
-  prof = rollout.generate(config, params, prompts, options=DecodeOptions(profile=True), **kw)
-  _assert_same(ref, prof)
-  times = prof.stats.bucket_times
-  assert [b[:2] for b in times] == shapes[: len(times)]
-  assert [b[2] for b in times] == ran[: len(times)].tolist() and ran[len(times):].sum() == 0
 
 
 @pytest.mark.slow  # a speed figure (tau), not an exactness property

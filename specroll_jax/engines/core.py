@@ -169,7 +169,7 @@ class SpecEngine:
     """``count`` (static) speculative steps of every slot in the first bucket, whatever is
     active (traceable): the unit of work ``goodput.measure_cost`` times."""
     params = _dec.unstack_layers(params)
-    (rows, n), = _spec.bucket_shapes(self.spec, self.proposer, batch.tokens.shape[0])[:1]
+    (rows, n), = self.spec.bucket_shapes(batch.tokens.shape[0], self.proposer.capacity)[:1]
     del rows
     body = lambda _, s: _spec.spec_step(self.config, params, self.proposer, proposer_params, s,
                                         batch.eos_ids, batch.seed, settings=self.settings,

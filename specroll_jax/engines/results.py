@@ -42,8 +42,6 @@ class RolloutStats:
   tokens: Int[Array, ""]  # committed response tokens in all rows
   nonfinite: Bool[Array, " B"]  # row stopped because its logits held NaN/inf
   spec: SpecStats | None = None  # speculative engine only
-  bucket_times: tuple = flax.struct.field(pytree_node=False, default=())  # profile=True only:
-  #   (rows, N, forwards, seconds) per bucket, measured from the host
 
   @property
   def forwards(self) -> int:

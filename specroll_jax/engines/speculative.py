@@ -79,11 +79,6 @@ class SpecState:
   shared: Any  # the proposer's state shared across rows (never compacted)
 
 
-def bucket_shapes(spec: SpecConfig, proposer: Proposer, batch: int) -> tuple[tuple[int, int], ...]:
-  """The (rows, N) buckets a batch of ``batch`` rows runs through (static)."""
-  return tuple(spec.bucket_shapes(batch, proposer.capacity))
-
-
 def init_state(config, params, proposer: Proposer, proposer_params, prompt_tokens, prompt_lengths,
                sample_ids, eos_ids, seed, *, settings: DecodeSettings,
                spec: SpecConfig) -> SpecState:
@@ -109,13 +104,13 @@ def init_state(config, params, proposer: Proposer, proposer_params, prompt_token
                 n_out=st.n_out, done=st.done, history=history, proposer=prow)
   kd = proposer.max_depth
   zk = jnp.zeros((kd,), jnp.int32)
+  nb = len(spec.bucket_shapes(b, proposer.capacity))
   counters = Counters(
       forwards=jnp.int32(0), row_forwards=jnp.int32(b), depth_proposed=zk, depth_accepted=zk,
       nodes_verified=jnp.int32(0),
       active_trace=jnp.zeros((settings.max_new_tokens + 1,), jnp.int32),
-      bucket_forwards=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
-      bucket_row_forwards=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
-      bucket_tokens=jnp.zeros((len(bucket_shapes(spec, proposer, b)),), jnp.int32),
+      bucket_forwards=jnp.zeros((nb,), jnp.int32), bucket_row_forwards=jnp.zeros((nb,), jnp.int32),
+      bucket_tokens=jnp.zeros((nb,), jnp.int32),
       skipped=jnp.int32(0),
       proposer=proposer.init_stats())
   state = SpecState(slots=slots, out=st.out, counters=counters, shared=pshared)
@@ -315,7 +310,7 @@ def run_bucket(config, params, proposer: Proposer, proposer_params, state: SpecS
   bucket's first, its plain step where it has 0)."""
   params = _dec.unstack_layers(params)
   b = state.out.tokens.shape[0]
-  shapes = bucket_shapes(spec, proposer, b)
+  shapes = spec.bucket_shapes(b, proposer.capacity)
   rows, n = shapes[bucket]
   gate = spec.gate_of(b, bucket)
   slots = state.slots
@@ -377,7 +372,7 @@ def speculative_rollout(config, params, proposer: Proposer, proposer_params, pro
                      f"({len(spec.bucket_fractions)}), got shape {tuple(jnp.shape(nodes))}")
   state = init_state(config, params, proposer, proposer_params, prompt_tokens, prompt_lengths,
                      sample_ids, eos_ids, seed, settings=settings, spec=spec)
-  for i in range(len(bucket_shapes(spec, proposer, prompt_tokens.shape[0]))):
+  for i in range(len(spec.bucket_shapes(prompt_tokens.shape[0], proposer.capacity))):
     state = run_bucket(config, params, proposer, proposer_params, state, eos_ids, seed,
                        settings=settings, spec=spec, bucket=i, nodes=nodes)
   return finish(state, settings)
