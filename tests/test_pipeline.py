@@ -115,7 +115,7 @@ def test_grpo_step_is_a_function_of_state_and_batch(trained_model, tmp_path):
   untimed = lambda m: {k: v for k, v in m.to_dict().items() if not k.endswith("_seconds")}
   assert untimed(a.metrics) == untimed(b.metrics)
   assert StepMetrics.from_dict(a.metrics.to_dict()) == a.metrics  # a metrics line round-trips
-  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.rows.tokens, b.rows.tokens)
   assert r.metrics_path.read_text() == "" and r.ckpt.latest_step() is None
   r.close()
 
