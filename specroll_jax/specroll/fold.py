@@ -127,7 +127,8 @@ class Folding:
 
   def draw_records(self, params, state: SpecRollState, batch: PreparedBatch, hidden, tokens,
                    lengths, seed: int):
-    """``records_per_batch`` records of the slow path from a rollout of the batch's first rows
+    """``records_per_batch`` records of the slow path (always that many: one shape for the slow
+    path's programs) from a rollout of the batch's first rows
     (``hidden`` [R, M, D], its ``tokens`` and ``lengths``; never more anchors than the R x M the
     rollout can hold): ``trainer_records.from_hidden`` with the candidates coupled as the tree
     ranks them (``params``: the decoder's)."""
@@ -136,7 +137,7 @@ class Folding:
     return _trainer_records.from_hidden(
         self.records_reflex(state.heads), self.config, params, state.heads, hidden, tokens,
         lengths, jnp.asarray(batch.lengths[:rows]), sampling=self.sampling, key=key,
-        num_anchors=min(self.records_per_batch, rows * m), seed=seed,
+        num_anchors=self.records_per_batch, seed=seed,
         sample_ids=batch.sample_ids[:rows])
 
   def _slow_path(self, params, state: SpecRollState, batch: PreparedBatch, out: Rollout, seconds,
