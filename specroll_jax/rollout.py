@@ -18,7 +18,6 @@ engines' ``PromptBatch``.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +28,7 @@ from specroll_jax._fields import int_arg
 from specroll_jax._fields import is_int as _is_int
 from specroll_jax.engines import PromptBatch, SpecEngine, VanillaEngine, check_seed
 from specroll_jax.engines.config import DecodeSettings, SpecConfig
-from specroll_jax.engines.results import Rollout, RolloutStats, SpecStats
+from specroll_jax.engines.results import Rollout, RolloutStats, SpecStats, check_nonfinite
 from specroll_jax.engines.speculative import speculative_rollout
 from specroll_jax.engines.vanilla import vanilla_rollout
 from specroll_jax.heads import kinds as head_kinds
@@ -361,10 +360,5 @@ def generate(config: ModelConfig, params, prompts, *, sampling: SamplingConfig =
     out = VanillaEngine(config, settings).jit(params, dev)
   else:
     out = SpecEngine(config, settings, proposer, spec).jit(params, proposer_params, dev)
-  nf = np.asarray(out.stats.nonfinite)
-  if nf.any():
-    msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
-    if opts.on_nonfinite == "raise":
-      raise FloatingPointError(msg)
-    warnings.warn(msg, RuntimeWarning, stacklevel=2)
+  check_nonfinite(out, opts.on_nonfinite, stacklevel=2)
   return out

@@ -102,3 +102,17 @@ class Rollout:
         row = row[:-1]
       rows.append(row)
     return tokenizer.decode_batch(rows)
+
+
+def check_nonfinite(out: Rollout, on_nonfinite: str, stacklevel: int = 2) -> None:
+  """The rows of ``out`` whose logits turned NaN/inf (they were stopped, never sampled): with
+  ``on_nonfinite="raise"`` a FloatingPointError naming them, with "flag" a RuntimeWarning
+  (``stacklevel`` counted from the caller)."""
+  nf = np.asarray(out.stats.nonfinite)
+  if nf.any():
+    msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
+    if on_nonfinite == "raise":
+      raise FloatingPointError(msg)
+    import warnings
+    warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
+

@@ -7,7 +7,6 @@ re-exports the class.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ from specroll_jax import sampling as _sampling
 from specroll_jax.engines import VanillaEngine
 from specroll_jax.engines import executables as _exe
 from specroll_jax.engines.config import DecodeSettings
-from specroll_jax.engines.results import Rollout
+from specroll_jax.engines.results import Rollout, check_nonfinite
 from specroll_jax.grpo.logprobs import trainer_logprobs
 from specroll_jax.heads import kinds as head_kinds
 from specroll_jax.integrations.tunix_params import (
@@ -408,12 +407,7 @@ class SpecRollRollout(base_rollout.BaseRollout):
       if self._model_mesh is not None:
         dev = self._model_mesh.place_batch(dev)
       out = _exe.run(engine, src, dev)
-      nf = np.asarray(out.stats.nonfinite)
-      if nf.any():
-        msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
-        if self._on_nonfinite == "raise":
-          raise FloatingPointError(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+      check_nonfinite(out, self._on_nonfinite, stacklevel=3)
     self.last_rollout = out
     return out
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import time
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -20,7 +19,7 @@ from specroll_jax.adaptation import slow_path as _slow
 from specroll_jax.adaptation import store as _store
 from specroll_jax.adaptation import trainer_records as _trainer_records
 from specroll_jax.adaptation.slow_path import BatchReport
-from specroll_jax.engines.results import Rollout
+from specroll_jax.engines.results import Rollout, check_nonfinite
 from specroll_jax.proposers import MergedReflexStats
 from specroll_jax.proposers.ranked import TreeStats
 from specroll_jax.rollout import PreparedBatch
@@ -48,12 +47,7 @@ class Folding:
     ``spec``'s counts, Reflex's end of batch, the store, the slow path on records drawn from
     ``spec``'s hidden states. Returns (the batch's ``SpecRollReport``, the new state)."""
     t0 = time.perf_counter()
-    nf = np.asarray(out.stats.nonfinite)
-    if nf.any():
-      msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
-      if self.on_nonfinite == "raise":
-        raise FloatingPointError(msg)
-      warnings.warn(msg, RuntimeWarning, stacklevel=4)
+    check_nonfinite(out, self.on_nonfinite, stacklevel=4)
     stats = None if spec is None else spec.stats.spec.proposer
     tree = stats.tree if isinstance(stats, MergedReflexStats) else stats
     cal, expected = state.calibration, state.expected
