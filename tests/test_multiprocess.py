@@ -89,8 +89,12 @@ _WORKER = textwrap.dedent("""
     else:
       lo, hi = 0, B
       batch = grpo.Batch(**{k: jnp.asarray(v) for k, v in rows.items()})
+    # Adam's eps well above rounding: GRPO's gradient is a group-centred sum with large
+    # cancellations, and with eps 1e-8 Adam turns a component at rounding level (its sign set by
+    # the reduction order of a model-split matmul) into a full +-lr step (measured: one embedding
+    # row 3e-4 apart); with eps 1e-4 such components move by ~1e-3 lr, real ones still by ~lr
     cfg = grpo.GRPOConfig(group_size=G, learning_rate=LR, micro_batches=2, sampling=samp,
-                          aggregation="seq_mean", beta=0.04)
+                          aggregation="seq_mean", beta=0.04, adam_eps=1e-4)
     step = grpo.make_train_step(config, cfg, mesh=mesh)
     state = grpo.init_train_state(params, cfg)
     mets = []
