@@ -127,6 +127,9 @@ class Folding:
     rollout can hold): ``trainer_records.from_hidden`` with the candidates coupled as the tree
     ranks them (``params``: the decoder's)."""
     rows, m = tokens.shape
+    # placed as the programs place parameters (a committed engine output and the warm-up's zeros
+    # then share one compiled builder)
+    hidden, tokens, lengths = place((hidden, tokens, lengths), self.mesh)
     key = jax.random.fold_in(jax.random.key(seed), int(state.batches))
     return _trainer_records.from_hidden(
         self.records_reflex(state.heads), self.config, params, state.heads, hidden, tokens,
