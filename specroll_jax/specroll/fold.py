@@ -127,9 +127,11 @@ class Folding:
     rollout can hold): ``trainer_records.from_hidden`` with the candidates coupled as the tree
     ranks them (``params``: the decoder's)."""
     rows, m = tokens.shape
-    # placed as the programs place parameters (a committed engine output and the warm-up's zeros
-    # then share one compiled builder)
-    hidden, tokens, lengths = place((hidden, tokens, lengths), self.mesh)
+    if self.mesh is None:  # on this process's first device, committed: an engine's outputs and
+      # the warm-up's zeros then share one compiled builder. On a mesh the outputs stay where the
+      # engine left them (replicating them here dispatches a reshard beside the builder, whose
+      # collectives XLA's CPU runtime under jax 0.11 can interleave into a deadlock)
+      hidden, tokens, lengths = place((hidden, tokens, lengths))
     key = jax.random.fold_in(jax.random.key(seed), int(state.batches))
     return _trainer_records.from_hidden(
         self.records_reflex(state.heads), self.config, params, state.heads, hidden, tokens,
