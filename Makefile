@@ -11,6 +11,9 @@ TESTS ?= tests
 # the suites' time is mostly single-threaded XLA compilation, so 2 workers on 2 cores take about
 # half the time of one. WORKERS=0 runs a suite in one process.
 WORKERS ?= 2
+# a worker that crashes fails the run at once, naming its test: pytest-xdist's loadfile scheduler
+# can deadlock at the end of a run when it replaces a crashed worker (pytest-xdist #784, #1378)
+XDIST = $(if $(filter 0,$(WORKERS)),,--max-worker-restart=0)
 STAMP := $(VENV)/.installed-$(EXTRAS)
 
 .PHONY: run test test-slow test-long test-all lint venv
@@ -30,14 +33,14 @@ run: $(STAMP)
 # $(WORKERS) worker processes
 test: $(STAMP)
 	SPECROLL_TEST_FAST_COMPILE=1 $(VENV)/bin/python -m pytest $(TESTS) -m "not slow" \
-	  -n $(WORKERS) --dist loadfile $(ARGS)
+	  -n $(WORKERS) --dist loadfile $(XDIST) $(ARGS)
 
 # the slow set CI runs: "long" tests (pyproject.toml's markers) wait for test-all
 test-slow: $(STAMP)
-	$(VENV)/bin/python -m pytest $(TESTS) -m "slow and not long" -n $(WORKERS) --dist loadfile $(ARGS)
+	$(VENV)/bin/python -m pytest $(TESTS) -m "slow and not long" -n $(WORKERS) --dist loadfile $(XDIST) $(ARGS)
 
 test-long: $(STAMP)
-	$(VENV)/bin/python -m pytest $(TESTS) -m long -n $(WORKERS) --dist loadfile $(ARGS)
+	$(VENV)/bin/python -m pytest $(TESTS) -m long -n $(WORKERS) --dist loadfile $(XDIST) $(ARGS)
 
 # everything: the fast suite, then every test marked slow
 test-all: test test-slow test-long

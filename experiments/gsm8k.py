@@ -138,6 +138,11 @@ def parse(argv):
                   help="degradation mode: refresh seconds as a share of rollout seconds at most, "
                        "0 = no cap (default: the slow-path preset's; "
                        "SlowPathConfig.degradation_budget)")
+  ap.add_argument("--slow-learn-budget", type=float, default=None,
+                  help="a learning refresh's seconds as a share of the step's at most (its "
+                       "optimiser steps are sized from the last refresh's wall-clock), 0 = no "
+                       "time bound: the preset's step count, the same in every run "
+                       "(default: the slow-path preset's; SlowPathConfig.learn_budget)")
   ap.add_argument("--slow-refresh-vocab", choices=list(SP.VOCABS), default=None,
                   help="the refresh's training softmax: the full vocabulary or each record's "
                        "support alone (default: the slow-path preset's; "
@@ -170,6 +175,8 @@ def parse(argv):
               model_axis=1)
   if a.slow_refresh_budget is not None and not 0 <= a.slow_refresh_budget < float("inf"):
     cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
+  if a.slow_learn_budget is not None and not 0 <= a.slow_learn_budget < float("inf"):
+    cli.fail("--slow-learn-budget", a.slow_learn_budget, "must be a finite number >= 0")
   try:
     _synthetic.Difficulty.from_level(a.level)
   except ValueError as e:
@@ -244,7 +251,8 @@ def run_config(a, *, rollout_kind: str) -> RunConfig:
   small = a.model is None
   slow = SP.SlowPathConfig.for_hidden_size(192 if small else 4096, mode=a.slow_path)
   for name, value in (("step_chunks", a.slow_step_chunks), ("degradation_budget",
-                      a.slow_refresh_budget), ("refresh_vocab", a.slow_refresh_vocab),
+                      a.slow_refresh_budget), ("learn_budget", a.slow_learn_budget),
+                      ("refresh_vocab", a.slow_refresh_vocab),
                       ("bootstrap_batches", a.slow_bootstrap)):
     if value is not None:
       slow = slow.replace(**{name: value})

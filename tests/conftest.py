@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from specroll_jax import models  # noqa: E402
+from specroll_jax.engines import executables  # noqa: E402
 from specroll_jax.data import gsm8k  # noqa: E402
 from specroll_jax.models.tokenizer import Tokenizer  # noqa: E402
 
@@ -58,10 +59,14 @@ def _release_executables(request):
   Each XLA:CPU executable keeps a few memory mappings alive; a whole-suite process compiles
   tens of thousands of them (hypothesis shapes, eager ops) and crossed Linux's
   ``vm.max_map_count`` (65530), which made LLVM segfault mid-compile. Session fixtures hold
-  arrays, not executables, so the next module only recompiles what it uses.
+  arrays, not executables, so the next module only recompiles what it uses. The library's own
+  held programs (``engines.executables``: ``SpecRoll``'s and the engines') go too: kept, a
+  worker's maps grew by each module's (test_readme alone adds about 34,000) until XLA crashed
+  writing an executable to the compile cache.
   """
   yield
   before = _mapped_regions()
+  executables.clear()
   jax.clear_caches()
   gc.collect()
   log = os.environ.get("SPECROLL_MAPS_LOG")

@@ -51,6 +51,7 @@ CASES = [
     ("bench_adaptation.py", ["--slow-step-chunks", "-2"], "--slow-step-chunks"),
     ("bench_adaptation.py", ["--slow-chunk-size", "0"], "--slow-chunk-size"),
     ("gsm8k.py", ["--slow-refresh-budget", "inf"], "--slow-refresh-budget"),
+    ("gsm8k.py", ["--slow-learn-budget", "-1"], "--slow-learn-budget"),
     ("bench_adaptation.py", ["--slow-refresh-budget", "-0.1"], "--slow-refresh-budget"),
     ("gsm8k.py", ["--steps", "many"], "--steps"),
     ("gsm8k.py", ["--resume"], "--resume"),
