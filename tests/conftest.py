@@ -39,8 +39,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from specroll_jax import models  # noqa: E402
-from specroll_jax.engines import executables  # noqa: E402
 from specroll_jax.data import gsm8k  # noqa: E402
+from specroll_jax.engines import executables  # noqa: E402
 from specroll_jax.models.tokenizer import Tokenizer  # noqa: E402
 
 
