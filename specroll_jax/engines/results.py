@@ -4,6 +4,8 @@ entries return them from inside a caller's ``jit`` / ``shard_map`` unchanged."""
 
 from __future__ import annotations
 
+import warnings
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -113,6 +115,5 @@ def check_nonfinite(out: Rollout, on_nonfinite: str, stacklevel: int = 2) -> Non
     msg = f"non-finite logits in rows {np.flatnonzero(nf).tolist()}; those rows were stopped"
     if on_nonfinite == "raise":
       raise FloatingPointError(msg)
-    import warnings
     warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel + 1)
 
