@@ -173,10 +173,10 @@ def parse(argv):
               beta=0.0, node_budget=0, eval_prompts=1, warmup=0, reflex_sleep=0,
               reflex_sleep_max=0, records_per_batch=1, slow_step_chunks=0, slow_bootstrap=0,
               model_axis=1)
-  if a.slow_refresh_budget is not None and not 0 <= a.slow_refresh_budget < float("inf"):
-    cli.fail("--slow-refresh-budget", a.slow_refresh_budget, "must be a finite number >= 0")
-  if a.slow_learn_budget is not None and not 0 <= a.slow_learn_budget < float("inf"):
-    cli.fail("--slow-learn-budget", a.slow_learn_budget, "must be a finite number >= 0")
+  for name in ("slow_refresh_budget", "slow_learn_budget"):  # shares of seconds
+    value = getattr(a, name)
+    if value is not None and not 0 <= value < float("inf"):
+      cli.fail("--" + name.replace("_", "-"), value, "must be a finite number >= 0")
   try:
     _synthetic.Difficulty.from_level(a.level)
   except ValueError as e:
